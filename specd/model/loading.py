@@ -1,0 +1,84 @@
+"""Loading a causal LM and its tokenizer with the dtype and threads the user asked for."""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+
+@dataclass
+class LoadedModel:
+    name: str  # as the user named it
+    path: str  # where it was loaded from
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 32768))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = ids if ids is not None else self.tokenizer.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+        return sorted(set(ids))
+
+
+def default_dtype() -> str:
+    """bfloat16 where the CPU computes it natively (AVX-512 bf16 / AMX), else float32."""
+    if torch.cuda.is_available():
+        return "bfloat16"
+    flags = _cpu_flags()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & flags else "float32"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def set_threads(threads: int | None) -> None:
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def load_model(name_or_path: str, dtype: str | None = None, threads: int | None = None) -> LoadedModel:
+    """Load for inference. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
+    from specd.model.store import resolve_model
+
+    set_threads(threads)
+    path = resolve_model(name_or_path)
+    torch_dtype = getattr(torch, dtype or default_dtype())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name_or_path, str(path), model, tokenizer, torch_dtype)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over the vocabulary and special tokens: equal means the two sides agree on ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(token) for token in tokenizer.all_special_tokens)
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
+
+
+def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}

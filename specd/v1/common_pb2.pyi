@@ -1,0 +1,104 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class SessionCursor(_message.Message):
+    __slots__ = ("session_id", "start", "fingerprint", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    start: int
+    fingerprint: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., start: _Optional[int] = ..., fingerprint: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class ModelInfo(_message.Message):
+    __slots__ = ("model", "role", "vocab_size", "tokenizer_fingerprint", "dtype", "max_session_tokens", "max_sessions", "max_cached_tokens", "max_draft_tokens", "eos_token_ids", "live_sessions", "cached_tokens")
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSION_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    MAX_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    model: str
+    role: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    dtype: str
+    max_session_tokens: int
+    max_sessions: int
+    max_cached_tokens: int
+    max_draft_tokens: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    live_sessions: int
+    cached_tokens: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("cursor",)
+    CURSOR_FIELD_NUMBER: _ClassVar[int]
+    cursor: SessionCursor
+    def __init__(self, cursor: _Optional[_Union[SessionCursor, _Mapping]] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("cached_tokens",)
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    cached_tokens: int
+    def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class TokenizerRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TokenizerResponse(_message.Message):
+    __slots__ = ("files",)
+    class FilesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    files: _containers.ScalarMap[str, bytes]
+    def __init__(self, files: _Optional[_Mapping[str, bytes]] = ...) -> None: ...
