@@ -130,7 +130,7 @@ class SessionStore:
             return torch.empty(0, self.loaded.vocab_size)
         input_ids = torch.tensor([tokens], dtype=torch.long)
         output = self.loaded.model(
-            input_ids=input_ids, past_key_values=session.cache, use_cache=True, logits_to_keep=keep_logits
+            input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=keep_logits
         )
         session.tokens.extend(tokens)
         return output.logits[0].float()

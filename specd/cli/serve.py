@@ -1,0 +1,68 @@
+"""`specd serve draft|target|orchestrator`: run one component as a gRPC server."""
+
+import argparse
+import asyncio
+import functools
+import logging
+
+from specd.cli.common import add_model_flags
+from specd.model.sessions import Limits
+
+DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
+
+
+def add_parser(verbs) -> None:
+    serve = verbs.add_parser("serve", help="run one component as a gRPC server")
+    roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
+    for role in ("draft", "target"):
+        parser = roles.add_parser(role, help=f"the {role} model service")
+        parser.add_argument("--model", default=role, help=f"default-pair name, local HF directory or hub id (default: the {role} of the default pair)")
+        _add_address_flags(parser, role)
+        add_model_flags(parser)
+        _add_limit_flags(parser)
+        parser.set_defaults(run=run_model_service)
+
+
+def _add_address_flags(parser, role: str) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help=f"port (default {DEFAULT_PORTS[role]}; 0 picks a free one)")
+
+
+def _add_limit_flags(parser) -> None:
+    defaults = Limits()
+    parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="live sessions at once")
+    parser.add_argument("--max-cached-tokens", type=int, default=defaults.max_cached_tokens, help="KV-cached tokens over all sessions")
+    parser.add_argument("--max-session-tokens", type=int, default=defaults.max_session_tokens, help="longest session (prompt + output + drafts)")
+    parser.add_argument("--max-draft-tokens", type=int, default=defaults.max_draft_tokens, help="largest K accepted")
+    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds before an untouched session is evicted")
+
+
+def limits_from_args(args) -> Limits:
+    return Limits(
+        max_sessions=args.max_sessions,
+        max_cached_tokens=args.max_cached_tokens,
+        max_session_tokens=args.max_session_tokens,
+        max_draft_tokens=args.max_draft_tokens,
+        idle_timeout_s=args.idle_timeout,
+    )
+
+
+def run_model_service(args: argparse.Namespace) -> int:
+    from specd.model.loading import load_model
+    from specd.serving import serve_until_signal
+
+    if args.role == "draft":
+        from specd.draft_service.engine import DraftEngine as engine_class
+        from specd.draft_service.server import create_draft_server as create_server
+    else:
+        from specd.target_service.engine import TargetEngine as engine_class
+        from specd.target_service.server import create_target_server as create_server
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    limits = limits_from_args(args)
+    load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits)
+    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}"))
+    return 0
+
+
+def _load_engine(engine_class, load_model, model, dtype, threads, limits):
+    return engine_class(load_model(model, dtype, threads), limits)
