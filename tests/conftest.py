@@ -25,10 +25,14 @@ TINY_CONFIG = dict(
 )
 
 
-def make_tiny_model(folder: Path, seed: int) -> Path:
+def make_tiny_model(folder: Path, seed: int, noise: float = 0.0) -> Path:
+    """A random tiny Qwen2; with `noise`, the seed's weights plus noise (a draft that half agrees)."""
     torch.manual_seed(seed)
     tokenizer = AutoTokenizer.from_pretrained(resolve_model("draft"))
     model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG, eos_token_id=tokenizer.eos_token_id))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(torch.randn_like(parameter) * noise)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -37,7 +41,7 @@ def make_tiny_model(folder: Path, seed: int) -> Path:
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
-    return {"draft": make_tiny_model(root / "draft", 1), "target": make_tiny_model(root / "target", 2)}
+    return {"draft": make_tiny_model(root / "draft", 2, noise=0.007), "target": make_tiny_model(root / "target", 2)}
 
 
 @pytest.fixture(scope="session")
@@ -75,4 +79,59 @@ async def start_services(draft_loaded, target_loaded, limits: Limits = Limits())
 async def tiny_services(tiny_loaded):
     services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=8))
     yield services
+    await services.close()
+
+
+@pytest.fixture(scope="session")
+def real_float32():
+    """The real default pair in float32, loaded once per test session: {"draft": ..., "target": ...}.
+
+    float32 because greedy speculation then matches plain greedy decoding token for token
+    (DESIGN.md §7: bf16's batched scoring may change rounding). Needs `specd models fetch`.
+    """
+    return {role: load_model(role, "float32") for role in ("draft", "target")}
+
+
+@pytest.fixture(scope="session")
+def ray_local():
+    """One local Ray for the whole run (starting Ray takes seconds)."""
+    import ray
+
+    ray.init(include_dashboard=False, object_store_memory=256 * 1024 * 1024, logging_level="WARNING",
+             configure_logging=False)
+    yield ray
+    ray.shutdown()
+
+
+class Stack:
+    """Tiny draft + target services and an orchestrator on Ray, all on port 0."""
+
+    def __init__(self, services: Services, orchestrator):
+        from specd.v1 import specdecode_pb2_grpc
+
+        self.services = services
+        self.orchestrator = orchestrator
+        self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}")
+        self.client = specdecode_pb2_grpc.SpecDecodeStub(self.channel)
+
+    async def live_sessions(self) -> tuple[int, int]:
+        from specd.v1 import common_pb2
+
+        draft = await self.services.draft.Info(common_pb2.InfoRequest())
+        target = await self.services.target.Info(common_pb2.InfoRequest())
+        return draft.live_sessions, target.live_sessions
+
+
+@pytest.fixture(scope="session")
+async def tiny_stack(tiny_loaded, ray_local):
+    from specd.orchestrator.server import OrchestratorServer
+
+    services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=32))
+    orchestrator = OrchestratorServer(f"127.0.0.1:{services.draft_server.port}",
+                                      f"127.0.0.1:{services.target_server.port}", workers=2)
+    await orchestrator.start("127.0.0.1:0")
+    stack = Stack(services, orchestrator)
+    yield stack
+    await stack.channel.close()
+    await orchestrator.stop(0)
     await services.close()

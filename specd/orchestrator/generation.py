@@ -1,0 +1,203 @@
+"""One request, end to end: prefill both services, then guess -> verify -> commit until done.
+
+Protocol (per request):
+  1. Prefill: both services cache the prompt minus its last token (in parallel).
+  2. Step: the draft proposes K tokens; the target verifies them in one pass and emits
+     accepted + 1 tokens; the orchestrator commits them and streams the new text.
+  3. Rollback is implicit: each next call starts at the agreed prefix (sessions.py).
+  4. Finish on max_new_tokens, EOS, a stop string, the deadline or a cancel; release both
+     sessions whatever happened.
+Speculation off (K = 0) runs step 2 as a plain decode on the target alone: the baseline.
+"""
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from tokenizers import Tokenizer
+
+from specd.orchestrator.sessions import RemoteSession
+from specd.orchestrator.text import OutputText
+from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+
+@dataclass
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    stop: list[str] = field(default_factory=list)
+    draft_tokens: int = 4  # K; 0 = speculation off
+    ignore_eos: bool = False
+    deadline: float | None = None  # time.time() by which the request must end
+
+
+@dataclass
+class Delta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    reason: str  # "length", "stop", "deadline"
+    prompt_tokens: int
+    completion_tokens: int
+    stats: "Stats"
+
+
+@dataclass
+class Stats:
+    draft_tokens: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    total_seconds: float = 0.0
+    time_to_first_token_s: float = 0.0
+    completion_tokens: int = 0
+    resyncs: int = 0
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        grow = drafted - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(0, grow)
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1 + self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.total_seconds if self.total_seconds else 0.0
+
+    @property
+    def other_seconds(self) -> float:
+        return max(0.0, self.total_seconds - self.draft_seconds - self.verify_seconds)
+
+
+class Generation:
+    """The orchestrator's state for one request: it alone owns `committed`."""
+
+    def __init__(self, request: GenerationRequest, draft_stub, target_stub, tokenizer: Tokenizer, eos_ids: set[int]):
+        self.request = request
+        self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
+        session_id = uuid.uuid4().hex
+        self.draft = RemoteSession(draft_stub, session_id, self.seconds_left)
+        self.target = RemoteSession(target_stub, session_id, self.seconds_left)
+        self.sampling = common_pb2.SamplingParams(
+            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed
+        )
+        self.output = OutputText(tokenizer, request.stop)
+        self.eos_ids = set() if request.ignore_eos else eos_ids
+        self.stats = Stats(draft_tokens=request.draft_tokens)
+
+    @property
+    def speculating(self) -> bool:
+        return self.request.draft_tokens > 0
+
+    @property
+    def generated(self) -> int:
+        return len(self.committed) - len(self.request.prompt_ids)
+
+    def seconds_left(self) -> float | None:
+        return None if self.request.deadline is None else max(0.001, self.request.deadline - time.time())
+
+    async def run(self):
+        """Yield Delta events, then one Finished."""
+        started = time.perf_counter()
+        try:
+            await self.prefill()
+            reason = None
+            while reason is None:
+                emitted = await (self.speculative_step() if self.speculating else self.decode_step())
+                reason = self.commit(emitted)
+                text = self.output.add(emitted)
+                if self.output.stopped:
+                    reason = "stop"
+                if reason:
+                    text += self.output.finish()
+                if self.stats.steps == 1:
+                    self.stats.time_to_first_token_s = time.perf_counter() - started
+                yield Delta(text, emitted)
+            yield self.finished(reason, time.perf_counter() - started)
+        finally:
+            await asyncio.shield(self.release())
+
+    def finished(self, reason: str, seconds: float) -> Finished:
+        self.stats.total_seconds = seconds
+        self.stats.completion_tokens = self.generated
+        self.stats.resyncs = self.draft.resyncs + self.target.resyncs
+        return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
+
+    async def prefill(self) -> None:
+        sessions = (self.draft, self.target) if self.speculating else (self.target,)
+        await asyncio.gather(*(session.prefill(self.committed[:-1]) for session in sessions))
+
+    async def speculative_step(self) -> list[int]:
+        """Guess -> verify. Returns the emitted tokens (accepted guesses + the target's own)."""
+        k = min(self.request.draft_tokens, self.request.max_new_tokens - self.generated - 1)
+        if k < 1:
+            return await self.decode_step()  # one token left: a guess could not pay off
+        committed = self.committed
+        # 1. Propose: the draft guesses K tokens after the committed ones.
+        started = time.perf_counter()
+        proposal = await self.draft.call(committed, lambda cursor: self.draft.stub.Propose(
+            draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=self.sampling),
+            timeout=self.seconds_left()))
+        self.draft.mirror = committed + list(proposal.draft_tokens[:-1])  # the last guess has no KV
+        # 2. Verify: the target scores the tail and all K guesses in one pass, keeps the longest
+        #    prefix it agrees with and adds one token of its own (recovered or bonus).
+        verified = time.perf_counter()
+        verdict = await self.target.call(committed, lambda cursor: self.target.stub.Verify(
+            target_pb2.VerifyRequest(cursor=cursor, draft_tokens=proposal.draft_tokens, q=proposal.q,
+                                     sampling=self.sampling), timeout=self.seconds_left()))
+        emitted = list(verdict.emitted_tokens)
+        self.target.mirror = committed + emitted[:-1]
+        # 3. Rollback needs no message: both services truncate to the agreed prefix on their
+        #    next call, so rejected guesses vanish there. 4. Record.
+        self.stats.draft_seconds += verified - started
+        self.stats.verify_seconds += time.perf_counter() - verified
+        self.stats.record_step(k, verdict.accepted)
+        return emitted
+
+    async def decode_step(self) -> list[int]:
+        """Speculation off: one token from the target alone."""
+        committed = self.committed
+        started = time.perf_counter()
+        reply = await self.target.call(committed, lambda cursor: self.target.stub.Decode(
+            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.seconds_left()))
+        self.target.mirror = list(committed)
+        self.stats.verify_seconds += time.perf_counter() - started
+        self.stats.record_step(0, 0)
+        return list(reply.emitted_tokens)
+
+    def commit(self, emitted: list[int]) -> str | None:
+        """Append emitted tokens, cut at EOS or the token budget; returns a finish reason or None."""
+        budget = self.request.max_new_tokens - self.generated
+        eos_at = next((i for i, token in enumerate(emitted) if token in self.eos_ids), None)
+        if eos_at is not None and eos_at < budget:
+            emitted[:] = emitted[: eos_at + 1]
+            self.committed += emitted
+            return "stop"
+        emitted[:] = emitted[:budget]
+        self.committed += emitted
+        return "length" if self.generated >= self.request.max_new_tokens else None
+
+    async def release(self) -> None:
+        results = await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
+        del results  # best effort: idle eviction frees whatever a dead service could not release

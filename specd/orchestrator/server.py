@@ -1,0 +1,143 @@
+"""specd.v1.SpecDecode: validate and tokenize a request, hand it to a Ray worker, stream it back."""
+
+import asyncio
+import signal
+import time
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specd.orchestrator.generation import Delta, Finished, GenerationRequest
+from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.orchestrator.worker import Failed, WorkerPool
+from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
+
+SERVICE_NAME = "specd.v1.SpecDecode"
+DEFAULT_DRAFT_TOKENS = 4
+
+
+class BadRequest(Exception):
+    """INVALID_ARGUMENT, with a message the client can act on."""
+
+
+class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
+    def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int):
+        self.pair = pair
+        self.pool = pool
+        self.default_draft_tokens = default_draft_tokens
+
+    async def Generate(self, request, context):
+        try:
+            generation_request = self.prepare(request, context.time_remaining())
+        except BadRequest as error:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
+        async for event in self.pool.generate(generation_request):
+            if isinstance(event, Failed):
+                await context.abort(grpc.StatusCode[event.code], event.message)
+            yield to_proto(event)
+
+    async def Info(self, request, context):
+        return specdecode_pb2.OrchestratorInfo(
+            draft=self.pair.draft_info, target=self.pair.target_info,
+            default_draft_tokens=self.default_draft_tokens, workers=len(self.pool.actors),
+        )
+
+    def prepare(self, request: specdecode_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+        """Check the request against DESIGN.md §5 and the served pair; tokenize the prompt."""
+        prompt_ids = list(request.prompt_token_ids)
+        if request.prompt:
+            prompt_ids = self.pair.tokenizer.encode(request.prompt, add_special_tokens=False).ids
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty: send `prompt` text or `prompt_token_ids`")
+        target = self.pair.target_info
+        if max(prompt_ids) >= target.vocab_size:
+            raise BadRequest(f"prompt token id {max(prompt_ids)} is outside the vocabulary of {target.vocab_size}")
+        if request.max_new_tokens < 1:
+            raise BadRequest("max_new_tokens must be at least 1")
+        room = min(target.max_session_tokens, self.pair.draft_info.max_session_tokens)
+        if len(prompt_ids) + request.max_new_tokens > room:
+            raise BadRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({request.max_new_tokens}) exceeds the "
+                f"{room} tokens a session may hold; shorten the prompt or ask for fewer tokens"
+            )
+        sampling = request.sampling
+        if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
+            raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+        if not 0 <= sampling.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}")
+        k = request.draft_tokens if request.HasField("draft_tokens") else self.default_draft_tokens
+        max_k = min(target.max_draft_tokens, self.pair.draft_info.max_draft_tokens)
+        if k > max_k:
+            raise BadRequest(f"draft_tokens K={k} is above the largest the services accept ({max_k}); 0 turns speculation off")
+        return GenerationRequest(
+            prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens,
+            temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k,
+            seed=sampling.seed, stop=list(request.stop), draft_tokens=k, ignore_eos=request.ignore_eos,
+            deadline=None if time_remaining is None else time.time() + time_remaining,
+        )
+
+
+def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
+    if isinstance(event, Delta):
+        return specdecode_pb2.GenerateResponse(delta=specdecode_pb2.Delta(text=event.text, token_ids=event.token_ids))
+    stats = event.stats
+    return specdecode_pb2.GenerateResponse(final=specdecode_pb2.Final(
+        finish_reason=event.reason,
+        usage=specdecode_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+        stats=specdecode_pb2.SpeculationStats(
+            draft_tokens=stats.draft_tokens, steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+            acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
+            accepted_per_position=stats.accepted_per_position, draft_seconds=stats.draft_seconds,
+            verify_seconds=stats.verify_seconds, other_seconds=stats.other_seconds,
+            tokens_per_s=stats.tokens_per_s, resyncs=stats.resyncs,
+            time_to_first_token_s=stats.time_to_first_token_s,
+        ),
+    ))
+
+
+class OrchestratorServer:
+    """The SpecDecode server: connect to the pair, start the Ray workers, serve."""
+
+    def __init__(self, draft_address: str, target_address: str, workers: int = 2,
+                 default_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+        self.addresses = (draft_address, target_address)
+        self.workers = workers
+        self.default_draft_tokens = default_draft_tokens
+        self.health = health.aio.HealthServicer()
+        self.server: grpc.aio.Server | None = None
+        self.pool: WorkerPool | None = None
+        self.port = 0
+
+    async def start(self, address: str = "127.0.0.1:0") -> int:
+        pair = await connect_pair(*self.addresses)
+        self.pool = WorkerPool(*self.addresses, workers=self.workers)
+        await self.pool.ready()
+        self.server = grpc.aio.server()
+        specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(
+            SpecDecodeServicer(pair, self.pool, self.default_draft_tokens), self.server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        self.port = self.server.add_insecure_port(address)
+        await self.server.start()
+        for name in ("", SERVICE_NAME):
+            await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        return self.port
+
+    async def stop(self, grace: float = 5.0) -> None:
+        await self.health.enter_graceful_shutdown()
+        if self.server:
+            await self.server.stop(grace)
+        if self.pool:
+            self.pool.shutdown()
+
+
+async def serve_until_signal(server: OrchestratorServer, address: str) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    port = await server.start(address)
+    print(f"{SERVICE_NAME} ready on port {port}", flush=True)
+    await stop.wait()
+    await server.stop()
