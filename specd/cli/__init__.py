@@ -3,10 +3,10 @@
 import argparse
 import sys
 
-from specd.cli import models, serve
+from specd.cli import generate, models, serve, up
 from specd.cli.common import UserError
 
-SUBCOMMANDS = (models, serve)
+SUBCOMMANDS = (models, serve, up, generate)
 
 
 def build_parser() -> argparse.ArgumentParser:

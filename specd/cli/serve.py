@@ -21,6 +21,14 @@ def add_parser(verbs) -> None:
         add_model_flags(parser)
         _add_limit_flags(parser)
         parser.set_defaults(run=run_model_service)
+    parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
+    parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="the draft service")
+    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
+    parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
+    parser.add_argument("--draft-tokens", type=int, default=4, help="K when a request does not say")
+    _add_address_flags(parser, "orchestrator")
+    parser.set_defaults(run=run_orchestrator)
 
 
 def _add_address_flags(parser, role: str) -> None:
@@ -66,3 +74,27 @@ def run_model_service(args: argparse.Namespace) -> int:
 
 def _load_engine(engine_class, load_model, model, dtype, threads, limits):
     return engine_class(load_model(model, dtype, threads), limits)
+
+
+def run_orchestrator(args: argparse.Namespace) -> int:
+    import ray
+
+    from specd.orchestrator.server import OrchestratorServer, serve_until_signal
+
+    start_ray(args.ray_address)
+    server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens)
+    try:
+        asyncio.run(serve_until_signal(server, f"{args.host}:{args.port}"))
+    finally:
+        ray.shutdown()
+    return 0
+
+
+def start_ray(address: str | None) -> None:
+    """Join a cluster, or start a small local Ray (no dashboard: nothing extra to install)."""
+    import ray
+
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    else:
+        ray.init(include_dashboard=False, object_store_memory=256 * 1024 * 1024, logging_level="WARNING")

@@ -1,0 +1,1 @@
+"""How specd starts: one machine (local processes + embedded Ray), or a Ray cluster."""
