@@ -24,6 +24,8 @@ class OutputText:
 
     def add(self, tokens: list[int]) -> str:
         """Take newly committed tokens; return the text they complete (maybe '')."""
+        if self.stopped:
+            return ""  # nothing after a stop string is ever printed
         self.tokens += tokens
         prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
         window = self._decode(self.tokens[prefix_offset:])
@@ -36,8 +38,9 @@ class OutputText:
 
     def finish(self) -> str:
         """The text still held back, at the end of the stream."""
-        if not self.stopped:
-            self.stop = []
+        if self.stopped:
+            return ""
+        self.stop = []
         return self._release()
 
     def _release(self) -> str:
@@ -51,8 +54,6 @@ class OutputText:
         if end < self.printed:
             return ""
         released, self.printed = self.text[self.printed:end], end
-        if self.stopped:
-            self.printed = len(self.text)  # nothing after a stop string is ever printed
         return released
 
     def _stop_prefix_length(self) -> int:

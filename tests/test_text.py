@@ -1,0 +1,40 @@
+"""Incremental detokenization and stop strings, with the real Qwen2.5 tokenizer."""
+
+import pytest
+from tokenizers import Tokenizer
+
+from specd.model.store import resolve_model
+from specd.orchestrator.text import OutputText
+
+SAMPLES = ["héllo wörld, 日本語のテキスト 🚀🎉 end", "def f(x):\n    return x  # ∑ → ∞", "  leading spaces\tand tabs"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_file(f"{resolve_model('draft')}/tokenizer.json")
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+@pytest.mark.parametrize("chunk", [1, 2, 3, 5])
+def test_streamed_text_equals_whole_decode_whatever_the_chunking(tokenizer, text, chunk):
+    ids = tokenizer.encode(text, add_special_tokens=False).ids
+    output = OutputText(tokenizer)
+    pieces = [output.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [output.finish()]
+    assert "".join(pieces) == tokenizer.decode(ids) == text
+    assert all("\ufffd" not in piece for piece in pieces)  # no half characters ever printed
+
+
+def test_stop_string_cuts_the_output_even_across_chunks(tokenizer):
+    ids = tokenizer.encode("alpha beta STOP gamma delta", add_special_tokens=False).ids
+    output = OutputText(tokenizer, stop=["STOP"])
+    printed = "".join(output.add([token]) for token in ids) + output.finish()
+    assert printed == "alpha beta "
+    assert output.stopped
+
+
+def test_text_that_could_start_a_stop_string_is_held_back_then_released(tokenizer):
+    output = OutputText(tokenizer, stop=["\n\n\n"])
+    first = output.add(tokenizer.encode("x = 1\n", add_special_tokens=False).ids)
+    assert first == "x = 1"  # the newline might begin the stop string
+    rest = output.add(tokenizer.encode("y", add_special_tokens=False).ids) + output.finish()
+    assert first + rest == "x = 1\ny" and not output.stopped
