@@ -25,6 +25,8 @@ def add_parser(verbs) -> None:
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the target-only run that measures the speed-up")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--draft-model", default="draft", help="embedded stack only: the draft model")
+    parser.add_argument("--target-model", default="target", help="embedded stack only: the target model")
     add_model_flags(parser)
     parser.set_defaults(run=run)
 
@@ -49,7 +51,9 @@ async def _generate(args) -> dict:
     stack = None
     address = args.server
     if address is None:
-        stack = await LocalStack(StackConfig(dtype=args.dtype, threads=args.threads)).start()
+        config = StackConfig(dtype=args.dtype, threads=args.threads, draft_model=args.draft_model,
+                             target_model=args.target_model)
+        stack = await LocalStack(config).start()
         address = stack.address
     try:
         return await _run_requests(args, address)
