@@ -135,3 +135,19 @@ async def tiny_stack(tiny_loaded, ray_local):
     await stack.channel.close()
     await orchestrator.stop(0)
     await services.close()
+
+
+@pytest.fixture(scope="session")
+async def real_stack(real_float32, ray_local):
+    """The real pair (float32) behind in-process services, and an orchestrator on Ray."""
+    from specd.orchestrator.server import OrchestratorServer
+
+    services = await start_services(real_float32["draft"], real_float32["target"])
+    orchestrator = OrchestratorServer(f"127.0.0.1:{services.draft_server.port}",
+                                      f"127.0.0.1:{services.target_server.port}", workers=2)
+    await orchestrator.start("127.0.0.1:0")
+    stack = Stack(services, orchestrator)
+    yield stack
+    await stack.channel.close()
+    await orchestrator.stop(0)
+    await services.close()

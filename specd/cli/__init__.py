@@ -3,10 +3,10 @@
 import argparse
 import sys
 
-from specd.cli import generate, models, serve, up
+from specd.cli import generate, loadtest, models, serve, up
 from specd.cli.common import UserError
 
-SUBCOMMANDS = (models, serve, up, generate)
+SUBCOMMANDS = (models, serve, up, generate, loadtest)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -2,6 +2,7 @@
 
 import argparse
 import asyncio
+import signal
 
 from specd.cli.common import add_model_flags
 from specd.cli.serve import DEFAULT_PORTS
@@ -22,6 +23,8 @@ def add_parser(verbs) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specd.deploy.local import LocalStack, StackConfig
+
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the stack like Ctrl-C
 
     stack = LocalStack(StackConfig(
         dtype=args.dtype, threads=args.threads, draft_model=args.draft_model, target_model=args.target_model,

@@ -1,0 +1,170 @@
+"""The load-testing harness: its statistics on hand-built numbers, and short runs on the tiny stack."""
+
+import argparse
+import asyncio
+import json
+import socket
+
+import pytest
+
+from specd import loadtest
+from specd.cli import loadtest as loadtest_cli
+from specd.v1 import specdecode_pb2
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+QUANTILES = ("mean", "p50", "p90", "p99")
+LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+RUN_KEYS = {"concurrency", "rate", "requests", "output_tokens_per_s", "requests_per_s", *LATENCIES,
+            "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "errors"}
+
+
+def settings_for(address: str, **overrides) -> loadtest.Settings:
+    values = dict(server=address, prompts=loadtest.load_prompts(), max_new_tokens=8, draft_tokens=3, timeout=60.0)
+    return loadtest.Settings(**{**values, **overrides})
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def test_percentiles_interpolate_linearly_and_handle_no_values():
+    stats = loadtest.percentiles([float(v) for v in range(1, 101)])
+    assert stats["mean"] == pytest.approx(50.5)
+    assert stats["p50"] == pytest.approx(50.5)
+    assert stats["p90"] == pytest.approx(90.1)
+    assert stats["p99"] == pytest.approx(99.01)
+    assert loadtest.percentiles([2.0]) == {"mean": 2.0, "p50": 2.0, "p90": 2.0, "p99": 2.0}
+    assert loadtest.percentiles([]) == {"mean": None, "p50": None, "p90": None, "p99": None}
+
+
+def test_inter_token_latency_splits_a_delta_over_its_tokens():
+    # first delta at 1.0 (TTFT, not an ITL), then 3 tokens 0.3 s later, then 1 token 0.5 s later
+    latencies = loadtest.inter_token_latencies([1.0, 1.3, 1.8], [1, 3, 1])
+    assert latencies == pytest.approx([0.1, 0.1, 0.1, 0.5])
+    assert loadtest.inter_token_latencies([1.0], [4]) == []
+
+
+def test_request_result_ttft_tpot_e2e():
+    result = loadtest.RequestResult(started=10.0, ended=11.0, delta_times=[10.2, 10.6, 11.0],
+                                    delta_tokens=[1, 2, 2], completion_tokens=5)
+    assert result.ttft == pytest.approx(0.2)
+    assert result.e2e == pytest.approx(1.0)
+    assert result.tpot == pytest.approx(0.8 / 4)
+    assert loadtest.RequestResult(started=0.0, ended=1.0, delta_times=[0.5], delta_tokens=[1],
+                                  completion_tokens=1).tpot is None
+
+
+def test_speculation_summary_uses_steps_as_the_per_position_denominator():
+    stats = [
+        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=4, drafted=12, accepted=6, accepted_per_position=[3, 2, 1]),
+        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=6, drafted=18, accepted=4, accepted_per_position=[3, 1]),
+    ]
+    summary = loadtest.speculation_summary(stats)
+    assert summary["acceptance_rate"] == pytest.approx(10 / 30)
+    assert summary["mean_accepted_length"] == pytest.approx(1 + 10 / 10)
+    assert summary["acceptance_by_position"] == pytest.approx([6 / 10, 3 / 10, 1 / 10])
+    off = loadtest.speculation_summary([specdecode_pb2.SpeculationStats(draft_tokens=0, steps=8)])
+    assert off == {"acceptance_rate": None, "mean_accepted_length": 1.0, "acceptance_by_position": []}
+
+
+def test_poisson_arrivals_are_seeded_and_average_the_rate():
+    offsets = loadtest.arrival_offsets(rate=4.0, count=4000, seed=7)
+    assert offsets == loadtest.arrival_offsets(rate=4.0, count=4000, seed=7)
+    assert offsets[0] == 0.0 and offsets == sorted(offsets)
+    assert offsets[-1] / (len(offsets) - 1) == pytest.approx(0.25, rel=0.1)
+
+
+def test_prompts_file_ships_and_bad_files_say_why(tmp_path):
+    prompts = loadtest.load_prompts()
+    assert len(prompts) >= 20
+    kinds = {json.loads(line)["kind"] for line in loadtest.DEFAULT_PROMPTS.read_text().splitlines()}
+    assert kinds == {"code", "docstring", "prose", "chat"}
+    with pytest.raises(loadtest.PromptsError, match="not found"):
+        loadtest.load_prompts(tmp_path / "missing.jsonl")
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "ok"}\n{"text": "no prompt key"}\n')
+    with pytest.raises(loadtest.PromptsError, match="broken.jsonl:2"):
+        loadtest.load_prompts(broken)
+
+
+# ---------------------------------------------------------------- runs on the tiny stack
+
+
+def check_run(run: dict, requests: int, max_new_tokens: int) -> None:
+    assert RUN_KEYS <= set(run)
+    assert run["errors"] == {} and run["completed"] == requests == run["requests"]
+    assert run["output_tokens"] == requests * max_new_tokens  # ignore_eos: every request yields them all
+    assert run["output_tokens_per_s"] * run["wall_s"] == pytest.approx(run["output_tokens"])
+    assert run["requests_per_s"] * run["wall_s"] == pytest.approx(requests)
+    for key in LATENCIES:
+        stats = run[key]
+        assert set(stats) == set(QUANTILES)
+        assert 0 < stats["p50"] <= stats["p90"] <= stats["p99"]
+    assert run["ttft_s"]["p50"] <= run["e2e_s"]["p50"]
+    assert 0 <= run["acceptance_rate"] <= 1 and 1 <= run["mean_accepted_length"] <= 4
+    assert 1 <= len(run["acceptance_by_position"]) <= 3
+    assert all(0 <= rate <= 1 for rate in run["acceptance_by_position"])
+
+
+async def test_closed_loop_sweep_and_open_loop_run(tiny_stack, tmp_path):
+    settings = settings_for(f"127.0.0.1:{tiny_stack.orchestrator.port}")
+    report = await loadtest.run_loadtest(settings, requests=6, concurrency=[1, 2], rates=[20.0])
+    report = json.loads(json.dumps(report))  # the report is plain JSON
+    assert [(r["concurrency"], r["rate"]) for r in report["runs"]] == [(1, None), (2, None), (None, 20.0)]
+    for run in report["runs"]:
+        check_run(run, requests=6, max_new_tokens=8)
+    assert report["settings"]["max_new_tokens"] == 8 and report["settings"]["ignore_eos"] is True
+    assert report["settings"]["server_info"]["workers"] == 2
+    loadtest.save_plot(report, tmp_path / "loadtest.png")
+    assert (tmp_path / "loadtest.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert loadtest.summary_table(report).row_count == 3
+
+
+async def test_speculation_off_reports_no_acceptance(tiny_stack):
+    settings = settings_for(f"127.0.0.1:{tiny_stack.orchestrator.port}", draft_tokens=0)
+    (run,) = (await loadtest.run_loadtest(settings, requests=2, concurrency=[2]))["runs"]
+    assert run["errors"] == {} and run["acceptance_rate"] is None and run["acceptance_by_position"] == []
+    assert run["mean_accepted_length"] == 1.0
+
+
+async def test_unreachable_server_counts_unavailable_instead_of_crashing(tmp_path):
+    settings = settings_for(f"127.0.0.1:{free_port()}", timeout=10.0)
+    report = await loadtest.run_loadtest(settings, requests=3, concurrency=[2], rates=[50.0])
+    for run in report["runs"]:
+        assert run["errors"] == {"UNAVAILABLE": 3}
+        assert run["completed"] == 0 and run["output_tokens_per_s"] == 0.0
+        assert run["ttft_s"]["p50"] is None
+    assert report["settings"]["server_info"] is None
+    loadtest.save_plot(report, tmp_path / "empty.png")  # a report with no successes still plots
+    assert (tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specd")
+    loadtest_cli.add_parser(parser.add_subparsers(dest="verb", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+async def test_command_line_writes_json_and_plot(tiny_stack, tmp_path):
+    argv = ["loadtest", "--server", f"127.0.0.1:{tiny_stack.orchestrator.port}", "--concurrency", "1,2",
+            "--requests", "3", "--max-new-tokens", "6", "--draft-tokens", "2",
+            "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")]
+    # the command runs its own event loop (asyncio.run): keep it off the loop serving the tiny stack
+    assert await asyncio.to_thread(cli, argv) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [run["concurrency"] for run in report["runs"]] == [1, 2]
+    assert all(run["output_tokens"] == 18 for run in report["runs"])
+    assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+async def test_command_line_rejects_a_missing_prompts_file(tmp_path):
+    from specd.cli.common import UserError
+
+    with pytest.raises(UserError, match="not found"):
+        cli(["loadtest", "--server", "127.0.0.1:1", "--prompts", str(tmp_path / "nope.jsonl")])
