@@ -1,0 +1,158 @@
+"""The real Qwen2.5-Coder pair (float32): one tokenizer, sensible output, and greedy speculation
+over real gRPC that emits exactly the target's own greedy tokens (DESIGN.md §1, §3, §6).
+
+Slow: the pair is loaded once per session (conftest's `real_float32`), the services once per module.
+"""
+
+import pytest
+import torch
+
+from conftest import start_services
+from specd.contract import fingerprint
+from specd.model.loading import tokenizer_fingerprint
+from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+pytestmark = pytest.mark.real
+
+VOCAB_SIZE = 151_936
+NEW_TOKENS = 32
+PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef softmax(x):",
+    "# Write a function that parses an ISO 8601 date string",
+]
+
+
+@pytest.fixture(scope="module")
+def greedy_reference(real_float32) -> dict[str, tuple[list[int], list[int]]]:
+    """prompt -> (prompt ids, the target's greedy continuation by plain HF generate): the
+    independent reference, computed without any specd code path."""
+    loaded = real_float32["target"]
+    reference = {}
+    for prompt in PROMPTS:
+        ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            output = loaded.model.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                max_new_tokens=NEW_TOKENS, pad_token_id=loaded.tokenizer.pad_token_id,
+            )
+        reference[prompt] = (ids[0].tolist(), output[0, ids.shape[1]:].tolist())
+    return reference
+
+
+@pytest.fixture(scope="module")
+async def real_services(real_float32):
+    services = await start_services(real_float32["draft"], real_float32["target"])
+    yield services
+    await services.close()
+
+
+def test_draft_and_target_share_one_tokenizer(real_float32):
+    draft, target = real_float32["draft"], real_float32["target"]
+    assert draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
+    assert draft.tokenizer.all_special_tokens == target.tokenizer.all_special_tokens
+    assert draft.tokenizer.all_special_ids == target.tokenizer.all_special_ids
+    assert tokenizer_fingerprint(draft.tokenizer) == tokenizer_fingerprint(target.tokenizer)
+    assert draft.eos_token_ids == target.eos_token_ids and draft.eos_token_ids
+    text = "def f(x):\n    return {'π': x ** 2}  # ✓ <|im_end|>"
+    assert draft.tokenizer.encode(text) == target.tokenizer.encode(text)
+    # The output layers (logits per position) have the same rows, padded past len(tokenizer).
+    assert draft.vocab_size == target.vocab_size == VOCAB_SIZE
+    assert len(target.tokenizer) <= VOCAB_SIZE
+
+
+def test_target_greedy_continuation_is_code(greedy_reference, real_float32):
+    # Greedy is prefix-stable, so the first 24 of the 32 generated tokens are generate(24)'s.
+    prompt_ids, continuation = greedy_reference["def fibonacci(n):"]
+    assert prompt_ids and len(continuation) >= 24
+    text = real_float32["target"].tokenizer.decode(continuation[:24])
+    assert text.strip(), "empty continuation"
+    assert "return" in text or "if" in text, f"not code: {text!r}"
+
+
+async def test_services_describe_a_matched_pair(real_services, real_float32):
+    draft = await real_services.draft.Info(common_pb2.InfoRequest())
+    target = await real_services.target.Info(common_pb2.InfoRequest())
+    assert (draft.role, target.role) == ("draft", "target")
+    assert draft.vocab_size == target.vocab_size == VOCAB_SIZE
+    assert draft.tokenizer_fingerprint == target.tokenizer_fingerprint
+    assert target.tokenizer_fingerprint == tokenizer_fingerprint(real_float32["target"].tokenizer)
+    assert draft.dtype == target.dtype == "float32"
+    assert list(draft.eos_token_ids) == list(target.eos_token_ids) == real_float32["target"].eos_token_ids
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("prompt", PROMPTS, ids=["fibonacci", "softmax", "iso8601"])
+async def test_greedy_speculation_over_grpc_emits_the_targets_own_tokens(
+    real_services, real_float32, greedy_reference, prompt, k
+):
+    prompt_ids, expected = greedy_reference[prompt]
+    eos = set(real_float32["target"].eos_token_ids)
+    decode = real_float32["target"].tokenizer.decode
+    emitted, steps, accepted = await speculate(real_services, f"real-{k}-{prompt[:12]}", prompt_ids, k, eos)
+    assert emitted == expected, (
+        f"K={k}: speculation diverged from plain greedy at token "
+        f"{next((i for i, (a, b) in enumerate(zip(emitted, expected)) if a != b), min(len(emitted), len(expected)))}"
+        f"\nspeculative: {decode(emitted)!r}\ngreedy:      {decode(expected)!r}"
+    )
+    print(f"K={k} {prompt[:20]!r}: {len(emitted)} tokens in {steps} steps, α = {accepted / (steps * k):.2f}")
+    # Speculation did something: drafts were accepted, so fewer target passes than tokens.
+    assert accepted > 0, f"K={k}: no draft token accepted in {steps} steps"
+    assert steps < len(emitted)
+
+
+async def speculate(services, session: str, prompt_ids: list[int], k: int, eos: set[int]):
+    """The guess -> verify -> commit loop of an orchestrator, written out by hand.
+
+    Returns (emitted tokens, steps, accepted draft tokens). Follows the consistency contract:
+    each service is told `start` (the committed tokens it still holds, tracked here from its
+    replies), their fingerprint, and the committed tokens from there on.
+    """
+    committed = list(prompt_ids)
+    for stub in (services.draft, services.target):
+        reply = await stub.Prefill(common_pb2.PrefillRequest(cursor=_cursor(session, committed[:-1], 0)))
+        assert reply.cached_tokens == len(committed) - 1
+    draft_held = target_held = len(committed) - 1  # leading committed tokens each service holds KV for
+    steps = accepted_total = 0
+    try:
+        while len(committed) - len(prompt_ids) < NEW_TOKENS and not eos & set(committed[len(prompt_ids):]):
+            old = len(committed)
+            proposal = await services.draft.Propose(draft_pb2.ProposeRequest(
+                cursor=_cursor(session, committed, draft_held), num_draft_tokens=k))
+            drafts = list(proposal.draft_tokens)
+            assert len(drafts) == k and not proposal.q
+            assert proposal.cached_tokens == old + k - 1  # committed + the first K-1 guesses
+            draft_holds = (committed + drafts)[: proposal.cached_tokens]
+
+            verdict = await services.target.Verify(target_pb2.VerifyRequest(
+                cursor=_cursor(session, committed, target_held), draft_tokens=drafts))
+            accepted, emitted = verdict.accepted, list(verdict.emitted_tokens)
+            assert 0 <= accepted <= k and len(emitted) == accepted + 1
+            assert emitted[:accepted] == drafts[:accepted]
+            assert verdict.cached_tokens == old + accepted  # the last emitted token has no KV yet
+
+            committed += emitted
+            target_held = verdict.cached_tokens
+            draft_held = min(_common_prefix(draft_holds, committed), len(committed) - 1)
+            assert draft_held == old + min(accepted, k - 1)
+            steps += 1
+            accepted_total += accepted
+    finally:
+        for stub in (services.draft, services.target):
+            await stub.Release(common_pb2.ReleaseRequest(session_id=session))
+    emitted = committed[len(prompt_ids):][:NEW_TOKENS]
+    first_eos = next((i for i, token in enumerate(emitted) if token in eos), None)
+    return (emitted if first_eos is None else emitted[: first_eos + 1]), steps, accepted_total
+
+
+def _cursor(session: str, committed: list[int], start: int) -> common_pb2.SessionCursor:
+    return common_pb2.SessionCursor(
+        session_id=session, start=start, fingerprint=fingerprint(committed[:start]), tokens=committed[start:]
+    )
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
