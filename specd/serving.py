@@ -58,6 +58,12 @@ class ModelThread:
         """Run method(engine, *args) with no RPC attached (housekeeping)."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, method, self.engine, *args)
 
+    async def peek(self, context: grpc.aio.ServicerContext, method: Callable):
+        """Run a cheap read-only method(engine) on the event loop: Info must not wait behind a Verify."""
+        if self.engine is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1")
+        return method(self.engine)
+
     async def call(self, context: grpc.aio.ServicerContext, method: Callable, *args):
         """Run method(engine, *args) for an RPC; errors leave as status codes."""
         if self.engine is None or self.draining:

@@ -16,7 +16,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.thread = thread
 
     async def Info(self, request, context):
-        return await self.thread.call(context, model_info)
+        return await self.thread.peek(context, model_info)
 
     async def Tokenizer(self, request, context):
         files = await self.thread.call(context, DraftEngine.tokenizer_files)

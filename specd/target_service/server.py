@@ -16,7 +16,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.thread = thread
 
     async def Info(self, request, context):
-        return await self.thread.call(context, model_info)
+        return await self.thread.peek(context, model_info)
 
     async def Tokenizer(self, request, context):
         files = await self.thread.call(context, TargetEngine.tokenizer_files)
