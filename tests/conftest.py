@@ -122,32 +122,32 @@ class Stack:
         return draft.live_sessions, target.live_sessions
 
 
-@pytest.fixture(scope="session")
-async def tiny_stack(tiny_loaded, ray_local):
+async def start_stack(draft_loaded, target_loaded, limits: Limits = Limits()) -> Stack:
     from specd.orchestrator.server import OrchestratorServer
 
-    services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=32))
+    services = await start_services(draft_loaded, target_loaded, limits)
     orchestrator = OrchestratorServer(f"127.0.0.1:{services.draft_server.port}",
                                       f"127.0.0.1:{services.target_server.port}", workers=2)
     await orchestrator.start("127.0.0.1:0")
-    stack = Stack(services, orchestrator)
-    yield stack
+    return Stack(services, orchestrator)
+
+
+async def stop_stack(stack: Stack) -> None:
     await stack.channel.close()
-    await orchestrator.stop(0)
-    await services.close()
+    await stack.orchestrator.stop(0)
+    await stack.services.close()
+
+
+@pytest.fixture(scope="session")
+async def tiny_stack(tiny_loaded, ray_local):
+    stack = await start_stack(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=32))
+    yield stack
+    await stop_stack(stack)
 
 
 @pytest.fixture(scope="session")
 async def real_stack(real_float32, ray_local):
     """The real pair (float32) behind in-process services, and an orchestrator on Ray."""
-    from specd.orchestrator.server import OrchestratorServer
-
-    services = await start_services(real_float32["draft"], real_float32["target"])
-    orchestrator = OrchestratorServer(f"127.0.0.1:{services.draft_server.port}",
-                                      f"127.0.0.1:{services.target_server.port}", workers=2)
-    await orchestrator.start("127.0.0.1:0")
-    stack = Stack(services, orchestrator)
+    stack = await start_stack(real_float32["draft"], real_float32["target"])
     yield stack
-    await stack.channel.close()
-    await orchestrator.stop(0)
-    await services.close()
+    await stop_stack(stack)
