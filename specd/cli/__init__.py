@@ -3,10 +3,10 @@
 import argparse
 import sys
 
-from specd.cli import generate, loadtest, models, serve, up
+from specd.cli import bench, generate, loadtest, models, serve, up
 from specd.cli.common import UserError
 
-SUBCOMMANDS = (models, serve, up, generate, loadtest)
+SUBCOMMANDS = (models, serve, up, generate, loadtest, bench)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,197 @@
+"""The peer benchmark (`specd bench`): its maths on hand numbers, and short runs on the tiny stack."""
+
+import argparse
+import asyncio
+import io
+import json
+
+import pytest
+import torch
+
+from specd import bench
+from specd.cli import bench as bench_cli
+from specd.model.loading import load_model
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TOP_KEYS = {"results", "ratios", "alpha", "c", "mean_accepted_length", "analytic_speedup", "greedy_match",
+            "per_prompt", "settings"}
+REQUIRED_RATIOS = {"specd_spec/hf_assisted": ("specd_spec", "hf_assisted"),
+                   "specd_spec/hf_target": ("specd_spec", "hf_target"),
+                   "specd_spec/specd_target": ("specd_spec", "specd_target")}
+
+
+def cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specd")
+    bench_cli.add_parser(parser.add_subparsers(dest="verb", required=True))
+    args = parser.parse_args(argv)
+    return args.run(args)
+
+
+def address(tiny_stack) -> str:
+    return f"127.0.0.1:{tiny_stack.orchestrator.port}"
+
+
+# ---------------------------------------------------------------- maths
+
+
+def test_expected_speedup_and_analytic_best_on_hand_numbers():
+    # α = 0.8, c = 0.1: K = 4 gives (1 - 0.8^5) / (0.2 · 1.4) = 0.67232 / 0.28
+    assert bench.expected_speedup(0.8, 0.1, 4) == pytest.approx(0.67232 / 0.28)
+    # best over K = 1..8: K = 6, (1 - 0.8^7) / (0.2 · 1.6) = 0.7902848 / 0.32 ≈ 2.4696
+    best, k = bench.analytic_best(0.8, 0.1)
+    assert k == 6 and best == pytest.approx(0.7902848 / 0.32)
+    # DESIGN.md §7's pair: α ≈ 0.9, c ≈ 0.4 gives about 1.6× at K = 4
+    best, k = bench.analytic_best(0.9, 0.4)
+    assert (k, round(best, 2)) == (4, 1.58)
+    # α = 1: every guess lands, K + 1 tokens per step; α = 0: one token per step, so K = 1 is best
+    assert bench.expected_speedup(1.0, 0.5, 3) == pytest.approx(4 / 2.5)
+    assert bench.analytic_best(0.0, 0.2) == (pytest.approx(1 / 1.2), 1)
+    assert bench.analytic_best(None, 0.2) == (None, None)
+    assert bench.analytic_best(0.5, None) == (None, None)
+
+
+def test_first_difference():
+    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bench.first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_report_figures_from_hand_built_runs():
+    def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
+        return {"steps": steps, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_position,
+                "draft_seconds": draft_s, "verify_seconds": verify_s, "other_seconds": 0.0}
+
+    ids = [1, 2, 3, 4]
+    runs = {
+        "hf_target": [bench.Run(ids, 2.0), bench.Run(ids, 2.0)],
+        "hf_assisted": [bench.Run(ids, 1.0), bench.Run([1, 2, 9, 4], 1.0)],
+        "specd_target": [bench.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 2.0)),
+                         bench.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 4.0))],  # 0.5 and 1.0 s per step
+        "specd_spec": [bench.Run(ids, 1.0, spec(2, 4, 2, [2], 0.4, 0.5)),  # 0.1 s per drafted token
+                       bench.Run(ids, 1.0, spec(1, 2, 2, [1, 1], 0.6, 0.5))],  # 0.3 s per drafted token
+    }
+    settings = bench.BenchSettings(prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2)
+    report = bench.build_report(settings, runs, [[7], [8, 9]])
+    assert report["results"]["hf_target"] == {"tokens": 8, "seconds": 4.0, "tokens_per_s": 2.0}
+    assert report["results"]["specd_spec"]["tokens_per_s"] == 4.0
+    assert report["ratios"]["specd_spec/hf_target"] == 2.0
+    assert report["ratios"]["specd_spec/specd_target"] == pytest.approx(4.0 / 1.6)
+    assert report["alpha"] == pytest.approx(4 / 6)
+    assert report["mean_accepted_length"] == pytest.approx(1 + 4 / 3)
+    assert report["c"] == pytest.approx(0.2 / 0.75)  # median 0.2 s per draft token / median 0.75 s per step
+    assert report["acceptance_by_position"] == pytest.approx([3 / 3, 1 / 1])
+    assert report["greedy_match"] is True and report["hf_assisted_match"] is False
+    assert report["per_prompt"][1]["first_difference"]["hf_assisted"] == 2
+    assert report["per_prompt"][1]["prompt_tokens"] == 2 and report["per_prompt"][1]["kind"] == "prose"
+
+
+# ---------------------------------------------------------------- the HF baselines
+
+
+def test_hf_baselines_ignore_eos_and_leave_the_models_config_alone(tiny_dirs):
+    """Like specd's ignore_eos: generation goes on through EOS, so every system makes N tokens."""
+    draft, target = load_model(str(tiny_dirs["draft"]), "float32"), load_model(str(tiny_dirs["target"]), "float32")
+    hf = bench.HFSystems(draft, target)
+    prompt = hf.encode("def quicksort(arr):\n")
+    first = hf.run(prompt, 1, assisted=False).token_ids[0]
+    eos = target.eos_token_ids[0]
+    with torch.no_grad():  # make EOS the target's (and draft's) greedy choice wherever `first` scored well
+        for loaded in (draft, target):
+            embeddings = loaded.model.get_input_embeddings().weight
+            embeddings[eos] = 100 * embeddings[first]
+    saved = target.model.generation_config
+    for assisted in (False, True):
+        output = hf.run(prompt, 6, assisted=assisted).token_ids
+        assert len(output) == 6 and output[0] == eos
+    assert target.model.generation_config is saved and saved.eos_token_id is not None
+
+
+# ---------------------------------------------------------------- end to end on the tiny stack
+
+
+async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
+    prompts, kinds = bench.load_prompts(bench_cli_default_prompts())
+    settings = bench.BenchSettings(prompts=prompts[:2], kinds=kinds[:2], max_new_tokens=8, draft_tokens=3,
+                                   dtype="float32", server=address(tiny_stack), timeout=60.0)
+    labels = []
+    report = await bench.run_bench(settings, advance=labels.append, say=lambda message: None,
+                                   models=(tiny_loaded["draft"], tiny_loaded["target"]))
+    assert len(labels) == 2 * 4 and labels[-1] == "prompt 2/2 specd_spec"
+    json.loads(json.dumps(report))  # serializable as it stands
+
+    assert set(report) >= TOP_KEYS
+    assert set(report["results"]) == set(bench.SYSTEMS)
+    for system, result in report["results"].items():
+        assert result["tokens"] == 2 * 8, system  # EOS ignored: every system makes N tokens per prompt
+        assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"])
+    speed = {system: result["tokens_per_s"] for system, result in report["results"].items()}
+    for name, (top, bottom) in REQUIRED_RATIOS.items():
+        assert report["ratios"][name] == pytest.approx(speed[top] / speed[bottom])
+
+    assert report["greedy_match"] is True  # float32: specd's output is the target's greedy output
+    assert 0 <= report["alpha"] <= 1 and report["c"] > 0
+    assert 1 <= report["mean_accepted_length"] <= 1 + 3
+    assert report["analytic_speedup"] == pytest.approx(bench.analytic_best(report["alpha"], report["c"])[0])
+    assert len(report["acceptance_by_position"]) == 3
+
+    assert len(report["per_prompt"]) == 2
+    for entry in report["per_prompt"]:
+        assert set(entry["tokens_per_s"]) == set(bench.SYSTEMS)
+        assert entry["matches_hf_target"]["specd_spec"] and entry["matches_hf_target"]["specd_target"]
+        assert len(entry["hf_target_token_ids"]) == 8 and entry["kind"] == "code"
+    assert report["settings"]["max_new_tokens"] == 8 and report["settings"]["draft_tokens"] == 3
+    assert report["settings"]["dtype"] == "float32" and report["settings"]["prompts"] == 2
+    assert report["settings"]["server_info"]["dtype"] == "float32"
+    assert report["settings"]["hf_assisted_generation"]["num_assistant_tokens"] >= 1
+
+    bench.save_plot(report, tmp_path / "bench.png")
+    assert (tmp_path / "bench.png").read_bytes().startswith(PNG_SIGNATURE)
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=160)
+    for table in bench.summary_tables(report):
+        console.print(table)
+    text = console.file.getvalue()
+    assert "specd_spec / hf_assisted" in text and "analytic best" in text
+
+
+async def test_command_line_writes_json_and_plot(tiny_stack, tiny_dirs, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "def fibonacci(n):\\n", "kind": "code"}\n{"prompt": "Once upon a time", "kind": "prose"}\n')
+    argv = ["bench", "--server", address(tiny_stack), "--prompts", str(prompts), "--max-new-tokens", "6",
+            "--draft-tokens", "2", "--dtype", "float32", "--draft-model", str(tiny_dirs["draft"]),
+            "--target-model", str(tiny_dirs["target"]), "--json", str(tmp_path / "out.json"),
+            "--plot", str(tmp_path / "out.png")]
+    # the command runs its own event loop (asyncio.run): keep it off the loop serving the tiny stack
+    assert await asyncio.to_thread(cli, argv) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert set(report) >= TOP_KEYS and report["greedy_match"] is True
+    assert [entry["kind"] for entry in report["per_prompt"]] == ["code", "prose"]
+    assert report["settings"]["quick"] is False and report["settings"]["wall_seconds"] > 0
+    assert all(result["tokens"] == 12 for result in report["results"].values())
+    assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_quick_takes_the_first_prompts_and_fewer_tokens():
+    args = argparse.Namespace(quick=True, prompts=None, max_new_tokens=None, draft_tokens=4, timeout=600.0,
+                              dtype=None, threads=None, draft_model="draft", target_model="target", server=None)
+    settings = bench_cli._settings(args, bench)
+    assert len(settings.prompts) == bench.QUICK_PROMPTS and settings.max_new_tokens == bench.QUICK_TOKENS
+    args.quick = False
+    settings = bench_cli._settings(args, bench)
+    assert len(settings.prompts) == 24 and settings.max_new_tokens == bench.DEFAULT_TOKENS
+
+
+def test_command_line_rejects_bad_flags(tmp_path):
+    from specd.cli.common import UserError
+
+    with pytest.raises(UserError, match="not found"):
+        cli(["bench", "--prompts", str(tmp_path / "nope.jsonl")])
+    with pytest.raises(UserError, match="--draft-tokens"):
+        cli(["bench", "--draft-tokens", "0"])
+
+
+def bench_cli_default_prompts():
+    from specd.loadtest import DEFAULT_PROMPTS
+
+    return DEFAULT_PROMPTS
