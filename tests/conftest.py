@@ -1,6 +1,5 @@
 """Shared fixtures: tiny random models of the real architecture, in-process services on port 0."""
 
-import shutil
 from pathlib import Path
 
 import grpc

@@ -6,7 +6,6 @@ import subprocess
 import sys
 
 import psutil
-import pytest
 
 
 def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:

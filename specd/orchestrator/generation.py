@@ -199,5 +199,5 @@ class Generation:
         return "length" if self.generated >= self.request.max_new_tokens else None
 
     async def release(self) -> None:
-        results = await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
-        del results  # best effort: idle eviction frees whatever a dead service could not release
+        # Best effort: idle eviction frees whatever a dead service could not release.
+        await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)

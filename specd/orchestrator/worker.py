@@ -64,13 +64,14 @@ class WorkerPool:
             for _ in range(workers)
         ]
         self.in_flight = [0] * workers
-        self._tie_break = itertools.count()
+        self._turns = itertools.count()  # rotates which actor wins a tie
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
 
     async def generate(self, request: GenerationRequest):
-        index = min(range(len(self.actors)), key=lambda i: (self.in_flight[i], (i + next(self._tie_break)) % len(self.actors)))
+        count, first = len(self.actors), next(self._turns)
+        index = min(((first + i) % count for i in range(count)), key=lambda i: self.in_flight[i])
         self.in_flight[index] += 1
         stream = self.actors[index].generate.options(num_returns="streaming").remote(request)
         try:
