@@ -24,13 +24,14 @@ import grpc
 import torch
 
 from specd.contract import fingerprint
-from specd.draft_service.engine import DraftEngine
+from specd.draft_service.engine import DraftEngine, ProposeCall
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import default_dtype, load_model
 from specd.model.sampling import Sampling
+from specd.model.scheduler import Scheduler
 from specd.model.sessions import Cursor, Limits
 from specd.serving import model_info
-from specd.target_service.engine import TargetEngine
+from specd.target_service.engine import TargetEngine, VerifyCall
 from specd.target_service.server import create_target_server
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
@@ -159,19 +160,19 @@ async def measure(args) -> None:
 
     propose = draft_pb2.ProposeRequest(cursor=proto_cursor("grpc"), num_draft_tokens=k)
     rows.append((f"Propose(K={k})", *await time_pair(
-        lambda: draft.Propose(propose), lambda: draft_engine.propose(engine_cursor("direct"), k, greedy), args.repeats)))
+        lambda: draft.Propose(propose), lambda: draft_engine.propose(ProposeCall(engine_cursor("direct"), k, greedy)), args.repeats)))
     verify = target_pb2.VerifyRequest(cursor=proto_cursor("grpc"), draft_tokens=drafts)
     rows.append((f"Verify(K={k})", *await time_pair(
-        lambda: target.Verify(verify), lambda: target_engine.verify(engine_cursor("direct"), drafts, [], greedy),
+        lambda: target.Verify(verify), lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), drafts, [], greedy)),
         args.repeats)))
     decode = target_pb2.DecodeRequest(cursor=proto_cursor("grpc"))
     rows.append(("Decode (1 token)", *await time_pair(
-        lambda: target.Decode(decode), lambda: target_engine.verify(engine_cursor("direct"), [], [], greedy),
+        lambda: target.Decode(decode), lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), [], [], greedy)),
         args.repeats)))
     many = args.repeats * 20  # cheap calls: more samples for a steadier median
-    info = common_pb2.InfoRequest()
+    info, scheduler = common_pb2.InfoRequest(), Scheduler()
     rows.append(("Info (no model work)", *await time_pair(
-        lambda: target.Info(info), lambda: model_info(target_engine), many, warmup=20)))
+        lambda: target.Info(info), lambda: model_info(target_engine, scheduler), many, warmup=20)))
     release = common_pb2.ReleaseRequest(session_id="nobody")
     rows.append(("Release, unknown session", *await time_pair(
         lambda: target.Release(release), lambda: target_engine.release("nobody"), many, warmup=20)))

@@ -1,8 +1,9 @@
 """gRPC plumbing the draft and target services share.
 
 Thin servicer, thick engine: the servicers translate messages; this module runs engine calls
-on the one model thread, turns engine errors into status codes (DESIGN.md §5), and hosts
-health, reflection, idle eviction and graceful shutdown.
+on the one model thread (batching concurrent Verify or Propose calls, see model/scheduler.py),
+turns engine errors into status codes (DESIGN.md §5), and hosts health, reflection, idle
+eviction and graceful shutdown.
 """
 
 import asyncio
@@ -11,7 +12,6 @@ import math
 import signal
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import grpc
@@ -24,6 +24,7 @@ from specd.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY
 from specd.model.engine import Engine
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
 from specd.model.sampling import Sampling
+from specd.model.scheduler import Abandoned, Bounds, Job, Scheduler
 from specd.model.sessions import Cursor
 from specd.v1 import common_pb2, draft_pb2
 
@@ -38,58 +39,84 @@ STATUS_OF = {
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # q rows of a long sampled draft can pass the 4 MiB default
 
 
-class _Skipped(Exception):
-    """The call's deadline passed or its client left while it waited for the model thread."""
-
-
 class ModelThread:
-    """Runs engine calls one at a time on a dedicated thread (torch work must not block the loop)."""
+    """The one thread that runs engine calls, behind a scheduler that batches concurrent calls."""
 
     def __init__(self):
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+        self.scheduler = Scheduler()
         self.engine: Engine | None = None
         self.draining = False
 
+    @property
+    def stats(self) -> Scheduler:
+        """batch_sizes (calls per batched pass -> passes) and queue_depth."""
+        return self.scheduler
+
     async def load(self, load_engine: Callable[[], Engine]) -> Engine:
-        self.engine = await asyncio.get_running_loop().run_in_executor(self.executor, load_engine)
+        self.engine = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_engine()])))
+        limits = self.engine.limits
+        self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens)
         return self.engine
 
     async def run(self, method: Callable, *args):
         """Run method(engine, *args) with no RPC attached (housekeeping)."""
-        return await asyncio.get_running_loop().run_in_executor(self.executor, method, self.engine, *args)
+        return await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [method(self.engine, *args)])))
 
-    async def peek(self, context: grpc.aio.ServicerContext, method: Callable):
-        """Run a cheap read-only method(engine) on the event loop: Info must not wait behind a Verify."""
+    async def info(self, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        """Answered on the event loop: Info must not wait behind a Verify."""
         if self.engine is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1")
-        return method(self.engine)
+        return model_info(self.engine, self.scheduler)
 
     async def call(self, context: grpc.aio.ServicerContext, method: Callable, *args):
-        """Run method(engine, *args) for an RPC; errors leave as status codes."""
+        """Run method(engine, *args) alone for an RPC; errors leave as status codes."""
+        return await self._submit(context, Job(lambda _: [method(self.engine, *args)]))
+
+    async def batch(self, context: grpc.aio.ServicerContext, batch_method: Callable, call):
+        """Run batch_method(engine, [call, ...]) for an RPC, sharing the pass with waiting calls."""
+        run = lambda calls: batch_method(self.engine, calls)  # noqa: E731
+        job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=call.cursor.session_id)
+        return await self._submit(context, job)
+
+    async def _submit(self, context: grpc.aio.ServicerContext, job: Job):
         if self.engine is None or self.draining:
             state = "still loading" if self.engine is None else "shutting down"
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model is {state}; watch grpc.health.v1")
-        finished = threading.Event()
-        context.add_done_callback(lambda _: finished.set())
-        remaining = context.time_remaining()
-        deadline = math.inf if remaining is None else time.monotonic() + remaining
+        job.abandoned = _abandoned_check(context)
         try:
-            job = self.executor.submit(self._run, finished, deadline, method, args)
-            return await asyncio.wrap_future(job)
+            return await asyncio.wrap_future(self.scheduler.submit(job))
         except EngineError as error:
             await context.abort(STATUS_OF[type(error)], str(error), _held_metadata(error))
-        except _Skipped as skipped:
-            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(skipped))
-
-    def _run(self, finished: threading.Event, deadline: float, method: Callable, args):
-        if finished.is_set():
-            raise _Skipped("the call ended before the model thread reached it")
-        if time.monotonic() > deadline:
-            raise _Skipped("the deadline passed while the call waited for the model thread")
-        return method(self.engine, *args)
+        except Abandoned as abandoned:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(abandoned))
 
     def shutdown(self) -> None:
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        self.scheduler.close()
+
+
+def _abandoned_check(context: grpc.aio.ServicerContext) -> Callable[[], str | None]:
+    """Why a queued call should be skipped when the model thread reaches it, if it should."""
+    finished = threading.Event()
+    context.add_done_callback(lambda _: finished.set())
+    remaining = context.time_remaining()
+    deadline = math.inf if remaining is None else time.monotonic() + remaining
+
+    def abandoned() -> str | None:
+        if finished.is_set():
+            return "the call ended before the model thread reached it"
+        if time.monotonic() > deadline:
+            return "the deadline passed while the call waited for the model thread"
+        return None
+
+    return abandoned
+
+
+async def parsed(context: grpc.aio.ServicerContext, parse: Callable, *args):
+    """parse(*args) on the event loop (message checks that need no model); refusals leave as status codes."""
+    try:
+        return parse(*args)
+    except EngineError as error:
+        await context.abort(STATUS_OF[type(error)], str(error))
 
 
 def _held_metadata(error: EngineError) -> tuple:
@@ -121,7 +148,7 @@ def q_row_from_proto(row: draft_pb2.SparseDistribution) -> tuple[torch.Tensor, t
     return torch.tensor(list(row.token_ids), dtype=torch.long), probs
 
 
-def model_info(engine: Engine) -> common_pb2.ModelInfo:
+def model_info(engine: Engine, scheduler: Scheduler) -> common_pb2.ModelInfo:
     described, limits = engine.description, engine.limits
     return common_pb2.ModelInfo(
         model=described.model,
@@ -136,6 +163,10 @@ def model_info(engine: Engine) -> common_pb2.ModelInfo:
         eos_token_ids=described.eos_token_ids,
         live_sessions=len(engine.store.sessions),
         cached_tokens=engine.store.cached_tokens,
+        max_batch_size=limits.max_batch_size,
+        max_batch_tokens=limits.max_batch_tokens,
+        batch_sizes=dict(scheduler.batch_sizes),
+        queued_calls=scheduler.queue_depth,
     )
 
 

@@ -43,6 +43,8 @@ def _add_limit_flags(parser) -> None:
     parser.add_argument("--max-session-tokens", type=int, default=defaults.max_session_tokens, help="longest session (prompt + output + drafts)")
     parser.add_argument("--max-draft-tokens", type=int, default=defaults.max_draft_tokens, help="largest K accepted")
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds before an untouched session is evicted")
+    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most concurrent calls sharing one forward pass (1: no batching)")
+    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="most new tokens in one batched pass")
 
 
 def limits_from_args(args) -> Limits:
@@ -52,6 +54,8 @@ def limits_from_args(args) -> Limits:
         max_session_tokens=args.max_session_tokens,
         max_draft_tokens=args.max_draft_tokens,
         idle_timeout_s=args.idle_timeout,
+        max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
     )
 
 

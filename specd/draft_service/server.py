@@ -2,9 +2,9 @@
 
 from typing import Callable
 
-from specd.draft_service.engine import DraftEngine
+from specd.draft_service.engine import DraftEngine, ProposeCall
 from specd.serving import (
-    ModelServer, ModelThread, cursor_from_proto, model_info, q_row_to_proto, sampling_from_proto,
+    ModelServer, ModelThread, cursor_from_proto, q_row_to_proto, sampling_from_proto,
 )
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
@@ -16,7 +16,7 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         self.thread = thread
 
     async def Info(self, request, context):
-        return await self.thread.peek(context, model_info)
+        return await self.thread.info(context)
 
     async def Tokenizer(self, request, context):
         files = await self.thread.call(context, DraftEngine.tokenizer_files)
@@ -27,10 +27,8 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Propose(self, request, context):
-        proposal = await self.thread.call(
-            context, DraftEngine.propose,
-            cursor_from_proto(request.cursor), request.num_draft_tokens, sampling_from_proto(request.sampling),
-        )
+        call = ProposeCall(cursor_from_proto(request.cursor), request.num_draft_tokens, sampling_from_proto(request.sampling))
+        proposal = await self.thread.batch(context, DraftEngine.propose_batch, call)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             q=[q_row_to_proto(token_ids, probs) for token_ids, probs in proposal.q],

@@ -1,8 +1,9 @@
 """What both engines share: a session store over one loaded model, and its self-description."""
 
 from dataclasses import dataclass
+from typing import Callable, TypeVar
 
-from specd.model.errors import InvalidRequest
+from specd.model.errors import EngineError, InvalidRequest
 from specd.model.loading import LoadedModel, tokenizer_fingerprint, tokenizer_files
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, Limits, SessionStore
@@ -66,6 +67,32 @@ def check_sampling(sampling: Sampling) -> None:
         raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
     if sampling.top_k < 0:
         raise InvalidRequest(f"top_k must be >= 0, got {sampling.top_k}")
+
+
+Call = TypeVar("Call")
+Opened = TypeVar("Opened")
+
+
+def open_each(calls: list[Call], open_call: Callable[[Call], Opened]):
+    """Check and sync every call of a batch; a refused call gets its error, the others go on.
+
+    Returns (results with the errors filled in, [(index, call, opened)] for the calls to run).
+    """
+    results: list = [None] * len(calls)
+    ready = []
+    for index, call in enumerate(calls):
+        try:
+            ready.append((index, call, open_call(call)))
+        except EngineError as error:
+            results[index] = error
+    return results, ready
+
+
+def single(results: list):
+    """The one result of a batch of one, raised if it is an error."""
+    if isinstance(results[0], EngineError):
+        raise results[0]
+    return results[0]
 
 
 def check_continuation(cursor: Cursor) -> None:

@@ -24,6 +24,8 @@ class Limits:
     max_session_tokens: int = 8192  # one session's length (prompt + output + drafts)
     max_draft_tokens: int = 16  # largest K
     idle_timeout_s: float = 300.0  # sessions untouched this long are evicted
+    max_batch_size: int = 16  # calls sharing one forward pass
+    max_batch_tokens: int = 256  # new tokens in one batched pass
 
 
 @dataclass(frozen=True)

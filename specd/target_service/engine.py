@@ -1,14 +1,31 @@
-"""The target engine: score the committed tail plus K drafts in one pass, keep what it agrees with."""
+"""The target engine: score the committed tail plus K drafts in one pass, keep what it agrees with.
+
+Concurrent calls share that pass (verify_batch); each keeps its own rule, randomness and rollback.
+"""
 
 from dataclasses import dataclass
 
 import torch
 
 from specd.model.acceptance import accept_draft
-from specd.model.engine import Engine, check_continuation, check_sampling
-from specd.model.errors import InvalidRequest
+from specd.model.batch import start_pass
+from specd.model.engine import Engine, check_continuation, check_sampling, open_each, single
+from specd.model.errors import EngineError, InvalidRequest
 from specd.model.sampling import Sampling, densify, probs_from_logits
-from specd.model.sessions import Cursor
+from specd.model.sessions import Cursor, Session
+
+
+@dataclass(frozen=True)
+class VerifyCall:
+    cursor: Cursor
+    draft_tokens: list[int]  # empty: a plain decode step (speculation off)
+    q_rows: list[tuple[torch.Tensor, torch.Tensor]]  # when sampling: (token ids, probs) per draft token
+    sampling: Sampling
+    return_logprobs: bool = False
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.cursor.tokens) + len(self.draft_tokens)
 
 
 @dataclass
@@ -22,31 +39,40 @@ class Verification:
 class TargetEngine(Engine):
     role = "target"
 
-    def verify(
-        self,
-        cursor: Cursor,
-        draft_tokens: list[int],
-        q_rows: list[tuple[torch.Tensor, torch.Tensor]],
-        sampling: Sampling,
-        return_logprobs: bool = False,
-    ) -> Verification:
-        """One forward pass over cursor.tokens + draft_tokens, the acceptance rule, the rollback.
+    def verify(self, call: VerifyCall) -> Verification:
+        return single(self.verify_batch([call]))
 
-        With no draft tokens this is a plain decode step (speculation off).
-        """
-        check_continuation(cursor)
-        check_sampling(sampling)
-        if draft_tokens:
-            self.check_draft_length(len(draft_tokens))
-        self.store.check_tokens(draft_tokens, "draft tokens")
-        q = None if sampling.greedy else self._dense_q(q_rows, draft_tokens)
-        session = self.store.sync(cursor, extra_tokens=len(draft_tokens))
-        first_position = cursor.start + len(cursor.tokens)  # where draft_tokens[0] sits
-        logits = self.store.extend(session, cursor.tokens + draft_tokens, keep_logits=len(draft_tokens) + 1)
-        p = logits if sampling.greedy else probs_from_logits(logits, sampling)
-        verdict = accept_draft(draft_tokens, p, q, sampling, first_position)
+    def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | EngineError]:
+        """One forward pass over every call's committed tail + drafts, then each call's rule and rollback."""
+        results, ready = open_each(calls, self._open)
+        if ready:
+            forward = start_pass(self.store, [session for _, _, (session, _) in ready])
+            logits = forward.extend(
+                [call.cursor.tokens + call.draft_tokens for _, call, _ in ready],
+                [len(call.draft_tokens) + 1 for _, call, _ in ready],
+            )
+            forward.write_back()
+            for (index, call, (session, q)), rows in zip(ready, logits):
+                results[index] = self._judge(call, session, q, rows)
+        return results
+
+    def _open(self, call: VerifyCall):
+        """Every check, then the session synced to the cursor (checks first: a refusal changes nothing)."""
+        check_continuation(call.cursor)
+        check_sampling(call.sampling)
+        if call.draft_tokens:
+            self.check_draft_length(len(call.draft_tokens))
+        self.store.check_tokens(call.draft_tokens, "draft tokens")
+        q = None if call.sampling.greedy else self._dense_q(call.q_rows, call.draft_tokens)
+        return self.store.sync(call.cursor, extra_tokens=len(call.draft_tokens)), q
+
+    def _judge(self, call: VerifyCall, session: Session, q, logits: torch.Tensor) -> Verification:
+        """The acceptance rule on the target's rows, then the rollback to what it kept."""
+        first_position = call.cursor.start + len(call.cursor.tokens)  # where draft_tokens[0] sits
+        p = logits if call.sampling.greedy else probs_from_logits(logits, call.sampling)
+        verdict = accept_draft(call.draft_tokens, p, q, call.sampling, first_position)
         self.store.truncate(session, first_position + verdict.accepted)  # the rollback
-        logprobs = _logprobs(logits, verdict.emitted) if return_logprobs else []
+        logprobs = _logprobs(logits, verdict.emitted) if call.return_logprobs else []
         return Verification(verdict.accepted, verdict.emitted, logprobs, len(session.tokens))
 
     def _dense_q(self, q_rows, draft_tokens: list[int]) -> torch.Tensor:

@@ -3,9 +3,9 @@
 from typing import Callable
 
 from specd.serving import (
-    ModelServer, ModelThread, cursor_from_proto, model_info, q_row_from_proto, sampling_from_proto,
+    ModelServer, ModelThread, cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto,
 )
-from specd.target_service.engine import TargetEngine, Verification
+from specd.target_service.engine import TargetEngine, Verification, VerifyCall
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 SERVICE_NAME = "specd.v1.TargetService"
@@ -16,7 +16,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self.thread = thread
 
     async def Info(self, request, context):
-        return await self.thread.peek(context, model_info)
+        return await self.thread.info(context)
 
     async def Tokenizer(self, request, context):
         files = await self.thread.call(context, TargetEngine.tokenizer_files)
@@ -27,30 +27,24 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Verify(self, request, context):
-        return await self.thread.call(context, _verify, request)
+        call = await parsed(context, _verify_call, request)
+        return _verify_response(await self.thread.batch(context, TargetEngine.verify_batch, call))
 
     async def Decode(self, request, context):
-        return await self.thread.call(context, _decode, request)
+        call = VerifyCall(cursor_from_proto(request.cursor), [], [], sampling_from_proto(request.sampling), request.return_logprobs)
+        return _verify_response(await self.thread.batch(context, TargetEngine.verify_batch, call))
 
     async def Release(self, request, context):
         released = await self.thread.call(context, TargetEngine.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
 
 
-def _verify(engine: TargetEngine, request: target_pb2.VerifyRequest) -> target_pb2.VerifyResponse:
-    q_rows = [q_row_from_proto(row) for row in request.q]  # parsed here so bad rows are INVALID_ARGUMENT
-    verification = engine.verify(
+def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:
+    q_rows = [q_row_from_proto(row) for row in request.q]  # may refuse: INVALID_ARGUMENT
+    return VerifyCall(
         cursor_from_proto(request.cursor), list(request.draft_tokens), q_rows,
         sampling_from_proto(request.sampling), request.return_logprobs,
     )
-    return _verify_response(verification)
-
-
-def _decode(engine: TargetEngine, request: target_pb2.DecodeRequest) -> target_pb2.VerifyResponse:
-    verification = engine.verify(
-        cursor_from_proto(request.cursor), [], [], sampling_from_proto(request.sampling), request.return_logprobs
-    )
-    return _verify_response(verification)
 
 
 def _verify_response(verification: Verification) -> target_pb2.VerifyResponse:

@@ -1,0 +1,119 @@
+"""The model thread's queue: first come, first served, with waiting calls of one kind run together.
+
+All model work runs on one thread (torch must not block the event loop, and a session must
+never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
+the oldest call and, if that call batches, every later waiting call of the same kind that
+fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
+was waiting at that moment. The oldest call always runs next, so nothing starves: a call
+waits at most for the passes of the calls that were queued before it.
+"""
+
+import threading
+from collections import Counter, deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+
+class Abandoned(Exception):
+    """The call's deadline passed or its client left while it waited; it never ran."""
+
+
+@dataclass(eq=False)
+class Job:
+    run: Callable[[list], list]  # run(payloads) -> one result (or exception) per payload
+    payload: Any = None
+    kind: Any = None  # jobs of the same kind may share a pass; None runs alone
+    cost: int = 0  # new tokens it adds to a pass
+    session_id: str = ""
+    abandoned: Callable[[], str | None] = lambda: None  # why it should not run, if so
+    future: Future = field(default_factory=Future)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    max_batch_size: int = 16  # calls in one pass
+    max_batch_tokens: int = 256  # new tokens in one pass (the oldest call runs even if larger)
+
+
+class Scheduler:
+    def __init__(self, bounds: Bounds = Bounds()):
+        self.bounds = bounds
+        self.queue: deque[Job] = deque()
+        self.ready = threading.Condition()
+        self.closed = False
+        self.batch_sizes: Counter[int] = Counter()  # calls per batched pass -> passes run
+        self.thread = threading.Thread(target=self._serve, name="model", daemon=True)
+        self.thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.queue)
+
+    def submit(self, job: Job) -> Future:
+        with self.ready:
+            if self.closed:
+                raise RuntimeError("the model thread has shut down")
+            self.queue.append(job)
+            self.ready.notify()
+        return job.future
+
+    def close(self) -> None:
+        """Stop after the running pass; calls still queued fail."""
+        with self.ready:
+            self.closed = True
+            left, self.queue = list(self.queue), deque()
+            self.ready.notify()
+        for job in left:
+            job.future.set_exception(RuntimeError("the model thread shut down before the call ran"))
+        if threading.current_thread() is not self.thread:
+            self.thread.join()
+
+    def _serve(self) -> None:
+        while True:
+            with self.ready:
+                while not self.queue and not self.closed:
+                    self.ready.wait()
+                if self.closed:
+                    return
+                batch = self._take_batch()
+            self._run(batch)
+
+    def _take_batch(self) -> list[Job]:
+        """The oldest job, plus the later ones that can share its pass (called under the lock)."""
+        first = self.queue.popleft()
+        if first.kind is None:
+            return [first]
+        batch, tokens, sessions = [first], first.cost, {first.session_id}
+        for job in list(self.queue):
+            if len(batch) == self.bounds.max_batch_size:
+                break
+            fits = tokens + job.cost <= self.bounds.max_batch_tokens
+            if job.kind == first.kind and fits and job.session_id not in sessions:
+                self.queue.remove(job)
+                batch.append(job)
+                tokens += job.cost
+                sessions.add(job.session_id)
+        return batch
+
+    def _run(self, batch: list[Job]) -> None:
+        live = []
+        for job in batch:
+            reason = job.abandoned()
+            if reason:
+                job.future.set_exception(Abandoned(reason))
+            else:
+                live.append(job)
+        if not live:
+            return
+        if live[0].kind is not None:
+            self.batch_sizes[len(live)] += 1
+        try:
+            results = live[0].run([job.payload for job in live])
+        except BaseException as error:  # a bug or out of memory: every call in the pass fails with it
+            results = [error] * len(live)
+        for job, result in zip(live, results):
+            if isinstance(result, BaseException):
+                job.future.set_exception(result)
+            else:
+                job.future.set_result(result)

@@ -1,0 +1,204 @@
+"""Batching across sessions: one forward pass for many calls gives each exactly its unbatched result."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import start_services
+from specd.contract import fingerprint
+from specd.draft_service.engine import DraftEngine, ProposeCall
+from specd.model.errors import SessionNotFound
+from specd.model.sampling import Sampling
+from specd.model.scheduler import Bounds, Job, Scheduler
+from specd.model.sessions import Cursor, Limits
+from specd.target_service.engine import TargetEngine, VerifyCall
+from specd.v1 import common_pb2, target_pb2
+
+PROMPTS = [list(range(1000, 1003)), list(range(2000, 2011)), list(range(3000, 3006)), list(range(4000, 4020))]
+SAMPLED = Sampling(temperature=0.9, top_p=0.95, seed=11)
+
+
+class Conversation:
+    """One session's committed tokens, and the cursor that asks for its next step."""
+
+    def __init__(self, session_id: str, prompt: list[int]):
+        self.session_id, self.committed, self.held = session_id, list(prompt), len(prompt) - 1
+
+    def cursor(self) -> Cursor:
+        return Cursor(self.session_id, self.held, fingerprint(self.committed[: self.held]), self.committed[self.held:])
+
+    def commit(self, emitted: list[int], cached_tokens: int) -> None:
+        self.committed += emitted
+        self.held = cached_tokens
+
+
+def greedy_continuation(loaded, prompt: list[int], length: int) -> list[int]:
+    output = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False)
+    return output[0, len(prompt):].tolist()
+
+
+def q_rows_for(drafts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A q that gave each draft token 0.5 and spread the rest over three neighbours."""
+    return [(torch.tensor([token, token + 1, token + 2, token + 3]), torch.tensor([0.5, 0.2, 0.2, 0.1])) for token in drafts]
+
+
+def opened(engine, tag: str) -> list[Conversation]:
+    conversations = [Conversation(f"{tag}-{i}", prompt) for i, prompt in enumerate(PROMPTS)]
+    for conversation in conversations:
+        engine.prefill(Cursor(conversation.session_id, 0, 0, conversation.committed[:-1]))
+    return conversations
+
+
+def verify_calls(conversations, step: int, references) -> list[VerifyCall]:
+    """Mixed K, each draft corrupted at a different place (different accepted counts), one row sampled."""
+    calls = []
+    for i, conversation in enumerate(conversations):
+        k = [1, 3, 5, 4][i]
+        done = len(conversation.committed) - len(PROMPTS[i])
+        drafts = references[i][done: done + k]
+        wrong_at = (i + step) % (k + 1)  # k + 1: no corruption, all accepted
+        if wrong_at < k:
+            drafts = drafts[:wrong_at] + [(drafts[wrong_at] + 7) % 150_000] + drafts[wrong_at + 1:]
+        sampling = SAMPLED if i == 2 else Sampling()
+        calls.append(VerifyCall(conversation.cursor(), drafts, q_rows_for(drafts) if i == 2 else [], sampling, True))
+    return calls
+
+
+def test_verify_batch_equals_one_call_at_a_time(tiny_loaded):
+    engine = TargetEngine(tiny_loaded["target"], Limits())
+    references = [greedy_continuation(tiny_loaded["target"], prompt, 40) for prompt in PROMPTS]
+    alone, together = opened(engine, "alone"), opened(engine, "together")
+    accepted_counts = set()
+    for step in range(6):
+        solo = [engine.verify(call) for call in verify_calls(alone, step, references)]
+        batched = engine.verify_batch(verify_calls(together, step, references))
+        for a, b, conversation_a, conversation_b in zip(solo, batched, alone, together):
+            assert (b.accepted, b.emitted_tokens, b.cached_tokens) == (a.accepted, a.emitted_tokens, a.cached_tokens)
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+            conversation_a.commit(a.emitted_tokens, a.cached_tokens)
+            conversation_b.commit(b.emitted_tokens, b.cached_tokens)
+            accepted_counts.add(a.accepted)
+    assert len(accepted_counts) >= 4, "the schedule should give different accepted counts in one pass"
+    for a, b in zip(alone, together):  # the caches written back are the sessions' own
+        assert engine.store.sessions[b.session_id].tokens == engine.store.sessions[a.session_id].tokens
+
+
+def test_decode_steps_batch_too(tiny_loaded):
+    engine = TargetEngine(tiny_loaded["target"], Limits())
+    alone, together = opened(engine, "alone"), opened(engine, "together")
+    for _ in range(5):
+        solo = [engine.verify(VerifyCall(c.cursor(), [], [], Sampling())) for c in alone]
+        batched = engine.verify_batch([VerifyCall(c.cursor(), [], [], Sampling()) for c in together])
+        assert [b.emitted_tokens for b in batched] == [a.emitted_tokens for a in solo]
+        for a, b, ca, cb in zip(solo, batched, alone, together):
+            ca.commit(a.emitted_tokens, a.cached_tokens)
+            cb.commit(b.emitted_tokens, b.cached_tokens)
+    assert [c.committed for c in together] == [c.committed for c in alone]
+
+
+def test_a_refused_call_leaves_its_batch_alone(tiny_loaded):
+    engine = TargetEngine(tiny_loaded["target"], Limits())
+    alone, together = opened(engine, "alone"), opened(engine, "together")
+    engine.release(together[1].session_id)  # released while its call waited
+    stale = together[3].cursor()
+    stale = Cursor(stale.session_id, stale.start, stale.fingerprint + 1, stale.tokens)  # wrong fingerprint
+    calls = [VerifyCall(c.cursor(), [5, 6], [], Sampling()) for c in together]
+    calls[3] = VerifyCall(stale, [5, 6], [], Sampling())
+    results = engine.verify_batch(calls)
+    assert isinstance(results[1], SessionNotFound)
+    assert type(results[3]).__name__ == "CursorMismatch"
+    for index in (0, 2):
+        expected = engine.verify(VerifyCall(alone[index].cursor(), [5, 6], [], Sampling()))
+        assert results[index].emitted_tokens == expected.emitted_tokens
+    assert len(engine.store.sessions[together[3].session_id].tokens) == len(PROMPTS[3]) - 1  # untouched
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
+def test_propose_batch_equals_one_call_at_a_time(tiny_loaded, sampling):
+    engine = DraftEngine(tiny_loaded["draft"], Limits())
+    alone, together = opened(engine, "alone"), opened(engine, "together")
+    for step in range(4):
+        ks = [(i + step) % 5 + 1 for i in range(len(PROMPTS))]
+        solo = [engine.propose(ProposeCall(c.cursor(), k, sampling)) for c, k in zip(alone, ks)]
+        batched = engine.propose_batch([ProposeCall(c.cursor(), k, sampling) for c, k in zip(together, ks)])
+        for a, b, ca, cb, k in zip(solo, batched, alone, together, ks):
+            assert (b.draft_tokens, b.cached_tokens) == (a.draft_tokens, a.cached_tokens)
+            assert len(b.draft_tokens) == k
+            for (ids_a, probs_a), (ids_b, probs_b) in zip(a.q, b.q):
+                assert torch.equal(ids_a, ids_b) and torch.allclose(probs_a, probs_b, atol=1e-6)
+            keep = a.draft_tokens[: step % (k + 1)] + [17]  # commit a few guesses and a correction
+            ca.commit(keep, len(ca.committed))
+            cb.commit(keep, len(cb.committed))
+
+
+# -- the scheduler, on plain functions --------------------------------------------------------
+
+def run_recording(passes: list, gate: threading.Event | None = None):
+    def run(payloads):
+        if gate is not None:
+            gate.wait()
+        passes.append(list(payloads))
+        return [payload * 10 for payload in payloads]
+    return run
+
+
+def test_scheduler_gathers_waiting_calls_first_come_first_served():
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=3, max_batch_tokens=100))
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))  # holds the thread
+    time.sleep(0.05)
+    verify = run_recording(passes)
+    futures = [scheduler.submit(Job(verify, i, kind="verify", cost=10, session_id=f"s{i}")) for i in range(1, 6)]
+    futures.append(scheduler.submit(Job(verify, 6, kind="verify", cost=10, session_id="s1")))  # same session as 1
+    futures.append(scheduler.submit(Job(verify, 7, kind="verify", cost=95, session_id="s7")))  # over the budget
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50, 60, 70]
+    assert blocker.result(5) == 0
+    assert passes == [[0], [1, 2, 3], [4, 5, 6], [7]]
+    assert scheduler.batch_sizes == {3: 2, 1: 1}
+    scheduler.close()
+
+
+def test_scheduler_runs_an_oversized_call_and_skips_abandoned_ones():
+    passes = []
+    scheduler = Scheduler(Bounds(max_batch_size=4, max_batch_tokens=8))
+    big = scheduler.submit(Job(run_recording(passes), 1, kind="verify", cost=50, session_id="a"))
+    gone = scheduler.submit(Job(run_recording(passes), 2, kind="verify", abandoned=lambda: "client left"))
+    assert big.result(5) == 10
+    with pytest.raises(Exception, match="client left"):
+        gone.result(5)
+    scheduler.close()
+
+
+async def test_a_long_request_finishes_under_a_steady_stream_of_short_ones(tiny_loaded):
+    """No starvation: 60 decode steps in one session while four others keep the queue full."""
+    services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_batch_size=2))
+    try:
+        async def decode_loop(session_id: str, prompt: list[int], steps: int | None, stop: asyncio.Event):
+            await services.target.Prefill(common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1])))
+            committed, done = list(prompt), 0
+            while (steps is None and not stop.is_set()) or (steps is not None and done < steps):
+                cursor = proto_cursor(session_id, len(committed) - 1, committed[:-1], committed[-1:])
+                reply = await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))
+                committed += list(reply.emitted_tokens)
+                done += 1
+            return committed
+
+        stop = asyncio.Event()
+        short = [asyncio.create_task(decode_loop(f"short-{i}", PROMPTS[i], None, stop)) for i in range(4)]
+        long_output = await asyncio.wait_for(decode_loop("long", PROMPTS[0], 60, stop), timeout=120)
+        stop.set()
+        await asyncio.gather(*short)
+        alone = await decode_loop("alone", PROMPTS[0], 60, stop)
+        assert long_output == alone
+        info = await services.target.Info(common_pb2.InfoRequest())
+        assert info.max_batch_size == 2 and set(info.batch_sizes) <= {1, 2} and info.batch_sizes[2] > 0
+    finally:
+        await services.close()
+
+
+def proto_cursor(session_id: str, start: int, held: list[int], tokens: list[int]) -> common_pb2.SessionCursor:
+    return common_pb2.SessionCursor(session_id=session_id, start=start, fingerprint=fingerprint(held), tokens=tokens)
