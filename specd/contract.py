@@ -11,6 +11,9 @@ import struct
 # caller can resend from there instead of from scratch.
 HELD_TOKENS_KEY = "specd-held-tokens"
 HELD_FINGERPRINT_KEY = "specd-held-fingerprint"
+# Trailing-metadata key a service sets on every answered call: the seconds it spent on it
+# (the caller's round trip minus this is network and gRPC time).
+SERVICE_SECONDS_KEY = "specd-service-seconds"
 
 
 def fingerprint(tokens) -> int:

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY
+from specd.metrics import ServiceMetrics, start_exporter
 from specd.model.engine import Engine
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
 from specd.model.sampling import Sampling
@@ -181,6 +182,7 @@ class ModelServer:
         self.servicer_class = servicer_class
         self.load_engine = load_engine
         self.thread = ModelThread()
+        self.metrics = ServiceMetrics(self.thread)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.port = 0
@@ -189,6 +191,7 @@ class ModelServer:
     async def start(self, address: str = "127.0.0.1:0") -> int:
         """Bind and start answering (health says NOT_SERVING until load() ends); returns the port."""
         self.server = grpc.aio.server(
+            interceptors=[self.metrics.interceptor],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -234,13 +237,17 @@ class ModelServer:
                 log.info("evicted %d idle sessions", len(evicted))
 
 
-async def serve_until_signal(model_server: ModelServer, address: str) -> None:
+async def serve_until_signal(model_server: ModelServer, address: str, metrics_host: str = "127.0.0.1",
+                             metrics_port: int | None = None) -> None:
     """The `specd serve` main: start, load, serve until SIGINT/SIGTERM, then drain."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     port = await model_server.start(address)
+    if metrics_port is not None:
+        exporter = start_exporter(model_server.metrics.registry, metrics_host, metrics_port)
+        print(f"{model_server.service_name} metrics on http://{metrics_host}:{exporter.server_port}/metrics", flush=True)
     print(f"{model_server.service_name} listening on port {port}; loading the model", flush=True)
     loading = asyncio.create_task(model_server.load())
     stopping = asyncio.create_task(stop.wait())

@@ -9,6 +9,8 @@ from specd.cli.common import add_model_flags
 from specd.model.sessions import Limits
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
+DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
+DEFAULT_HTTP_PORT = 8000  # the orchestrator's OpenAI-compatible API
 
 
 def add_parser(verbs) -> None:
@@ -28,12 +30,18 @@ def add_parser(verbs) -> None:
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
     parser.add_argument("--draft-tokens", type=int, default=4, help="K when a request does not say")
     _add_address_flags(parser, "orchestrator")
+    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
+                        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)")
+    parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     parser.set_defaults(run=run_orchestrator)
 
 
 def _add_address_flags(parser, role: str) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help=f"port (default {DEFAULT_PORTS[role]}; 0 picks a free one)")
+    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORTS[role],
+                        help=f"port of the Prometheus /metrics endpoint (default {DEFAULT_METRICS_PORTS[role]}; 0 picks a free one)")
+    parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoint")
 
 
 def _add_limit_flags(parser) -> None:
@@ -72,7 +80,8 @@ def run_model_service(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = limits_from_args(args)
     load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits)
-    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}"))
+    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}",
+                                   metrics_host=args.host, metrics_port=None if args.no_metrics else args.metrics_port))
     return 0
 
 
@@ -88,7 +97,8 @@ def run_orchestrator(args: argparse.Namespace) -> int:
     start_ray(args.ray_address)
     server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens)
     try:
-        asyncio.run(serve_until_signal(server, f"{args.host}:{args.port}"))
+        asyncio.run(serve_until_signal(server, f"{args.host}:{args.port}", http_port=None if args.no_http else args.http_port,
+                                       metrics_port=None if args.no_metrics else args.metrics_port))
     finally:
         ray.shutdown()
     return 0

@@ -27,6 +27,10 @@ class StackConfig:
     draft_port: int = 0  # 0 picks a free port
     target_port: int = 0
     port: int = 0  # the orchestrator's
+    http_port: int = 0  # the orchestrator's OpenAI-compatible API
+    draft_metrics_port: int = 0  # Prometheus /metrics of each process
+    target_metrics_port: int = 0
+    metrics_port: int = 0
     ray_address: str | None = None
     workers: int = 2
     extra_service_flags: list[str] = field(default_factory=list)
@@ -38,6 +42,7 @@ class Child:
     address: str
     process: subprocess.Popen
     log: Path
+    metrics_url: str = ""
 
     def tail(self, lines: int = 20) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
@@ -49,33 +54,42 @@ class LocalStack:
         self.say = say
         self.children: list[Child] = []
         self.log_dir = Path(tempfile.mkdtemp(prefix="specd-up-"))
+        self.http_port = config.http_port or free_port()
 
     @property
     def address(self) -> str:
         return self.children[-1].address
 
+    @property
+    def http_url(self) -> str:
+        """Base URL of the orchestrator's OpenAI-compatible API."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
     async def start(self) -> "LocalStack":
         config = self.config
         model_flags = _flags(dtype=config.dtype, threads=config.threads) + config.extra_service_flags
-        draft = self._spawn("draft", config.draft_port, ["draft", "--model", config.draft_model, *model_flags])
-        target = self._spawn("target", config.target_port, ["target", "--model", config.target_model, *model_flags])
+        draft = self._spawn("draft", config.draft_port, config.draft_metrics_port,
+                            ["draft", "--model", config.draft_model, *model_flags])
+        target = self._spawn("target", config.target_port, config.target_metrics_port,
+                             ["target", "--model", config.target_model, *model_flags])
         self.say(f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}")
         started = time.monotonic()
         await asyncio.gather(self._wait(draft), self._wait(target))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
-        orchestrator = self._spawn("orchestrator", config.port, [
-            "orchestrator", "--draft", draft.address, "--target", target.address,
+        orchestrator = self._spawn("orchestrator", config.port, config.metrics_port, [
+            "orchestrator", "--draft", draft.address, "--target", target.address, "--http-port", str(self.http_port),
             "--workers", str(config.workers), *_flags(ray_address=config.ray_address)])
         await self._wait(orchestrator)
         return self
 
-    def _spawn(self, name: str, port: int, serve_args: list[str]) -> Child:
-        port = port or free_port()
+    def _spawn(self, name: str, port: int, metrics_port: int, serve_args: list[str]) -> Child:
+        port, metrics_port = port or free_port(), metrics_port or free_port()
         log = self.log_dir / f"{name}.log"
-        command = [sys.executable, "-m", "specd", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port)]
+        command = [sys.executable, "-m", "specd", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port),
+                   "--metrics-port", str(metrics_port)]
         process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        child = Child(name, f"127.0.0.1:{port}", process, log)
+        child = Child(name, f"127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
         self.children.append(child)
         return child
 

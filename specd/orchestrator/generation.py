@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from specd.contract import SERVICE_SECONDS_KEY
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
 from specd.v1 import common_pb2, draft_pb2, target_pb2
@@ -54,11 +55,14 @@ class Finished:
 class Stats:
     draft_tokens: int = 0
     steps: int = 0
+    drafting_steps: int = 0  # steps that verified >= 1 draft token (vLLM's num_drafts)
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
+    draft_seconds: float = 0.0  # wall seconds of the draft calls
+    verify_seconds: float = 0.0  # wall seconds of the target calls
+    network_seconds: float = 0.0  # of those, the part not spent inside the services
+    step_seconds: list[tuple[float, float, float]] = field(default_factory=list)  # per step: draft, verify, network
     total_seconds: float = 0.0
     time_to_first_token_s: float = 0.0
     completion_tokens: int = 0
@@ -66,12 +70,24 @@ class Stats:
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
+        self.drafting_steps += drafted > 0
         self.drafted += drafted
         self.accepted += accepted
         grow = drafted - len(self.accepted_per_position)
         self.accepted_per_position += [0] * max(0, grow)
         for position in range(accepted):
             self.accepted_per_position[position] += 1
+
+    def record_times(self, draft_wall: float, draft_served: float | None, verify_wall: float,
+                     verify_served: float | None) -> None:
+        """One step's call times: wall (round trip) and served (inside the service, None if unsaid)."""
+        draft = draft_wall if draft_served is None else min(draft_served, draft_wall)
+        verify = verify_wall if verify_served is None else min(verify_served, verify_wall)
+        network = draft_wall - draft + verify_wall - verify
+        self.draft_seconds += draft_wall
+        self.verify_seconds += verify_wall
+        self.network_seconds += network
+        self.step_seconds.append((draft, verify, network))
 
     @property
     def acceptance_rate(self) -> float:
@@ -156,22 +172,21 @@ class Generation:
         committed = self.committed
         # 1. Propose: the draft guesses K tokens after the committed ones.
         started = time.perf_counter()
-        proposal = await self.draft.call(committed, lambda cursor: self.draft.stub.Propose(
+        proposal, draft_served = await self.draft.call(committed, lambda cursor: served(self.draft.stub.Propose(
             draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=self.sampling),
-            timeout=self.seconds_left()))
+            timeout=self.seconds_left())))
         self.draft.mirror = committed + list(proposal.draft_tokens[:-1])  # the last guess has no KV
         # 2. Verify: the target scores the tail and all K guesses in one pass, keeps the longest
         #    prefix it agrees with and adds one token of its own (recovered or bonus).
         verified = time.perf_counter()
-        verdict = await self.target.call(committed, lambda cursor: self.target.stub.Verify(
+        verdict, verify_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Verify(
             target_pb2.VerifyRequest(cursor=cursor, draft_tokens=proposal.draft_tokens, q=proposal.q,
-                                     sampling=self.sampling), timeout=self.seconds_left()))
+                                     sampling=self.sampling), timeout=self.seconds_left())))
         emitted = list(verdict.emitted_tokens)
         self.target.mirror = committed + emitted[:-1]
         # 3. Rollback needs no message: both services truncate to the agreed prefix on their
         #    next call, so rejected guesses vanish there. 4. Record.
-        self.stats.draft_seconds += verified - started
-        self.stats.verify_seconds += time.perf_counter() - verified
+        self.stats.record_times(verified - started, draft_served, time.perf_counter() - verified, verify_served)
         self.stats.record_step(k, verdict.accepted)
         return emitted
 
@@ -179,10 +194,10 @@ class Generation:
         """Speculation off: one token from the target alone."""
         committed = self.committed
         started = time.perf_counter()
-        reply = await self.target.call(committed, lambda cursor: self.target.stub.Decode(
-            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.seconds_left()))
+        reply, decode_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Decode(
+            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.seconds_left())))
         self.target.mirror = list(committed)
-        self.stats.verify_seconds += time.perf_counter() - started
+        self.stats.record_times(0.0, None, time.perf_counter() - started, decode_served)
         self.stats.record_step(0, 0)
         return list(reply.emitted_tokens)
 
@@ -201,3 +216,11 @@ class Generation:
     async def release(self) -> None:
         # Best effort: idle eviction frees whatever a dead service could not release.
         await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
+
+
+async def served(call) -> tuple:
+    """Await a model-service call; returns (reply, seconds the service says it spent, or None)."""
+    reply = await call
+    held = dict(await call.trailing_metadata() or ())
+    seconds = held.get(SERVICE_SECONDS_KEY)
+    return reply, None if seconds is None else float(seconds)

@@ -1,8 +1,9 @@
 """Connecting to the model services: wait until they serve, check they form a pair, get the tokenizer."""
 
 import asyncio
+import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,6 +29,7 @@ class ServicePair:
     target_info: common_pb2.ModelInfo
     tokenizer: Tokenizer
     channels: tuple
+    tokenizer_config: dict = field(default_factory=dict)  # the target's, with its chat template
 
 
 async def wait_until_serving(address: str, timeout_s: float = 600.0) -> None:
@@ -61,7 +63,16 @@ async def connect_pair(draft_address: str, target_address: str, timeout_s: float
     )
     check_pair(draft_info, target_info)
     tokenizer = Tokenizer.from_str(files.files["tokenizer.json"].decode())
-    return ServicePair(draft_stub, target_stub, draft_info, target_info, tokenizer, (draft_channel, target_channel))
+    return ServicePair(draft_stub, target_stub, draft_info, target_info, tokenizer, (draft_channel, target_channel),
+                       tokenizer_config(files.files))
+
+
+def tokenizer_config(files) -> dict:
+    """tokenizer_config.json, with the chat template from chat_template.jinja where that is its own file."""
+    config = json.loads(files["tokenizer_config.json"]) if "tokenizer_config.json" in files else {}
+    if "chat_template.jinja" in files:
+        config["chat_template"] = files["chat_template.jinja"].decode()
+    return config
 
 
 def check_pair(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) -> None:

@@ -8,7 +8,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd.metrics import start_exporter
 from specd.orchestrator.generation import Delta, Finished, GenerationRequest
+from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair, connect_pair
 from specd.orchestrator.worker import Failed, WorkerPool
 from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
@@ -22,17 +24,20 @@ class BadRequest(Exception):
 
 
 class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
-    def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int):
+    def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int,
+                 metrics: OrchestratorMetrics | None = None):
         self.pair = pair
         self.pool = pool
         self.default_draft_tokens = default_draft_tokens
+        self.metrics = metrics or OrchestratorMetrics()
 
     async def Generate(self, request, context):
         try:
             generation_request = self.prepare(request, context.time_remaining())
         except BadRequest as error:
+            self.metrics.rejected("grpc")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        async for event in self.pool.generate(generation_request):
+        async for event in self.generate(generation_request, "grpc"):
             if isinstance(event, Failed):
                 await context.abort(grpc.StatusCode[event.code], event.message)
             yield to_proto(event)
@@ -42,6 +47,10 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
             draft=self.pair.draft_info, target=self.pair.target_info,
             default_draft_tokens=self.default_draft_tokens, workers=len(self.pool.actors),
         )
+
+    def generate(self, request: GenerationRequest, api: str):
+        """Run a prepared request on the pool: Delta events, then Finished or Failed (every API's path)."""
+        return self.metrics.track(api, self.pool.generate(request))
 
     def prepare(self, request: specdecode_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
         """Check the request against DESIGN.md §5 and the served pair; tokenize the prompt."""
@@ -108,14 +117,17 @@ class OrchestratorServer:
         self.server: grpc.aio.Server | None = None
         self.pool: WorkerPool | None = None
         self.port = 0
+        self.metrics = OrchestratorMetrics()
+        self.servicer: SpecDecodeServicer | None = None
+        self.http = None  # the OpenAI-compatible HTTP API, when started (openai_api.HttpApi)
 
     async def start(self, address: str = "127.0.0.1:0") -> int:
         pair = await connect_pair(*self.addresses)
         self.pool = WorkerPool(*self.addresses, workers=self.workers)
         await self.pool.ready()
         self.server = grpc.aio.server()
-        specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(
-            SpecDecodeServicer(pair, self.pool, self.default_draft_tokens), self.server)
+        self.servicer = SpecDecodeServicer(pair, self.pool, self.default_draft_tokens, self.metrics)
+        specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
         self.port = self.server.add_insecure_port(address)
@@ -124,20 +136,38 @@ class OrchestratorServer:
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
         return self.port
 
+    async def start_http(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """After start(): the OpenAI-compatible HTTP API on the same servicer; returns its port."""
+        from specd.orchestrator.openai_api import HttpApi
+
+        self.http = HttpApi(self.servicer)
+        return await self.http.start(host, port)
+
     async def stop(self, grace: float = 5.0) -> None:
         await self.health.enter_graceful_shutdown()
+        if self.http:
+            await self.http.stop()
         if self.server:
             await self.server.stop(grace)
         if self.pool:
             self.pool.shutdown()
 
 
-async def serve_until_signal(server: OrchestratorServer, address: str) -> None:
+async def serve_until_signal(server: OrchestratorServer, address: str, http_port: int | None = None,
+                             metrics_port: int | None = None) -> None:
+    """gRPC on `address`; the HTTP API and the metrics exporter on the same host (None = not started)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     port = await server.start(address)
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if http_port is not None:
+        http_port = await server.start_http(host, http_port)
+        print(f"OpenAI-compatible HTTP API on http://{host}:{http_port}/v1", flush=True)
+    if metrics_port is not None:
+        exporter = start_exporter(server.metrics.registry, host, metrics_port)
+        print(f"{SERVICE_NAME} metrics on http://{host}:{exporter.server_port}/metrics", flush=True)
     print(f"{SERVICE_NAME} ready on port {port}", flush=True)
     await stop.wait()
     await server.stop()

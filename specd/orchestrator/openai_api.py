@@ -1,0 +1,486 @@
+"""The OpenAI-compatible HTTP API, served by the orchestrator next to gRPC.
+
+    POST /v1/completions        prompt -> text           (stream: true for server-sent events)
+    POST /v1/chat/completions   messages -> reply        (the target's chat template)
+    GET  /v1/models             the one model served
+    GET  /health                200 while serving, 503 while draining
+    GET  /metrics               the orchestrator's Prometheus metrics
+
+Each request is translated into a specd.v1 GenerateRequest and goes through the gRPC API's
+own path (SpecDecodeServicer.prepare, then .generate on the same WorkerPool), so validation,
+limits and output are the same: greedy output over HTTP equals greedy output over gRPC.
+
+Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, ...) answer
+400 naming the field, as do fields OpenAI does not define; null means "not set". Extensions:
+`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K}` (0 turns speculation
+off). Every response (the last chunk, when streaming) carries the request's speculation
+stats in `"specd"`.
+"""
+
+import asyncio
+import hmac
+import json
+import socket
+import time
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from specd.orchestrator.generation import Delta, Finished, Stats
+from specd.orchestrator.worker import Failed
+from specd.v1 import common_pb2, specdecode_pb2
+
+API_LABEL = "http"  # the `api` label of this API's requests in the metrics
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+# Fields both endpoints take; then each endpoint's own.
+COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
+                 "user", "ignore_eos", "specd"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+
+# OpenAI fields specd does not implement: accepted only at their default value.
+UNSUPPORTED = {
+    "n": ((1,), "specd returns one choice per request; send n requests instead"),
+    "best_of": ((1,), "specd returns one choice per request"),
+    "echo": ((False,), "the prompt is not echoed back"),
+    "suffix": (("",), "insertion (suffix) is not supported"),
+    "logprobs": ((False, 0), "log probabilities are not returned"),
+    "top_logprobs": ((0,), "log probabilities are not returned"),
+    "presence_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
+    "frequency_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
+    "logit_bias": (({},), "logit_bias would change the target's distribution, which speculation keeps exact"),
+    "tools": (([],), "tool calling is not supported"),
+    "tool_choice": (("none",), "tool calling is not supported"),
+    "functions": (([],), "function calling is not supported"),
+    "function_call": (("none",), "function calling is not supported"),
+    "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
+}
+STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
+                  "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+
+
+class ApiError(Exception):
+    """An OpenAI-style error: HTTP status, message, the offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+@dataclass
+class Call:
+    """One parsed HTTP request: what to generate and how to answer."""
+
+    chat: bool
+    message: specdecode_pb2.GenerateRequest
+    stream: bool = False
+    include_usage: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+    id: str = ""
+
+    def __post_init__(self):
+        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
+
+
+class OpenAiApi:
+    """Translates OpenAI requests for a SpecDecodeServicer (which owns the pair and the pool)."""
+
+    def __init__(self, servicer, model_name: str | None = None):
+        self.servicer = servicer
+        self.model_name = model_name or served_model_name(servicer.pair.target_info.model)
+        config = servicer.pair.tokenizer_config
+        self.chat_template = compile_chat_template(config.get("chat_template"))
+        self.special_tokens = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        self.draining = False
+
+    @property
+    def room(self) -> int:
+        """The longest session both services take (prompt + output)."""
+        pair = self.servicer.pair
+        return min(pair.target_info.max_session_tokens, pair.draft_info.max_session_tokens)
+
+    # -- parsing ---------------------------------------------------------------------------
+
+    def parse(self, body, chat: bool) -> Call:
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        body = {name: value for name, value in body.items() if value is not None}  # null = not set
+        allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
+        for name, value in body.items():
+            if name in UNSUPPORTED:
+                defaults, reason = UNSUPPORTED[name]
+                if value not in defaults:
+                    raise ApiError(400, f"`{name}` = {json.dumps(value)} is not supported: {reason}", name)
+            elif name not in allowed:
+                endpoint = "/v1/chat/completions" if chat else "/v1/completions"
+                raise ApiError(400, f"unknown field `{name}` for {endpoint}; specd takes {', '.join(sorted(allowed))}",
+                               name)
+        model = body.get("model", self.model_name)
+        if model != self.model_name:
+            raise ApiError(404, f"the model `{model}` does not exist here; this server serves `{self.model_name}` "
+                                f"(GET /v1/models)", "model", "model_not_found")
+        message = specdecode_pb2.GenerateRequest(ignore_eos=_typed(body, "ignore_eos", bool, False))
+        if chat:
+            message.prompt_token_ids.extend(self.chat_prompt(body.get("messages")))
+        else:
+            self.completion_prompt(body.get("prompt"), message)
+        message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
+        message.sampling.CopyFrom(_sampling(body))
+        stop = body.get("stop", [])
+        stop = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+            raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
+        message.stop.extend(stop)
+        extension = _typed(body, "specd", dict, {})
+        for name in extension:
+            if name != "draft_tokens":
+                raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off)",
+                               f"specd.{name}")
+        if "draft_tokens" in extension:
+            k = extension["draft_tokens"]
+            if not _is_int(k) or k < 0:
+                raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}",
+                               "specd.draft_tokens")
+            message.draft_tokens = k
+        stream = _typed(body, "stream", bool, False)
+        options = _typed(body, "stream_options", dict, {})
+        if options and not stream:
+            raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
+        if set(options) - {"include_usage"}:
+            raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
+        return Call(chat, message, stream, bool(options.get("include_usage", False)))
+
+    def completion_prompt(self, prompt, message: specdecode_pb2.GenerateRequest) -> None:
+        """A string, or token ids; a list of one of those is fine, a batch of several is not."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            message.prompt = prompt  # tokenized by prepare(), as a gRPC prompt is
+        elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+            message.prompt_token_ids.extend(prompt)
+        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            raise ApiError(400, "several prompts in one request are not supported: send one request per prompt",
+                           "prompt")
+        elif prompt is None:
+            raise ApiError(400, "`prompt` is required", "prompt")
+        elif prompt != []:
+            raise ApiError(400, "`prompt` must be a string or a list of token ids (integers >= 0)", "prompt")
+
+    def chat_prompt(self, messages) -> list[int]:
+        """Render the messages with the target's chat template, then tokenize (special tokens included)."""
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "`messages` must be a non-empty list of {role, content} objects", "messages")
+        plain = []
+        for index, entry in enumerate(messages):
+            if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
+                raise ApiError(400, f"messages[{index}] must be an object with a `role`", f"messages[{index}]")
+            for name in entry:
+                if name not in ("role", "content", "name"):
+                    raise ApiError(400, f"messages[{index}].{name} is not supported (no tool calls)",
+                                   f"messages[{index}].{name}")
+            plain.append({"role": entry["role"], "content": _text_content(entry.get("content", ""), index)})
+        if self.chat_template is None:
+            raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
+        text = self.chat_template.render(messages=plain, add_generation_prompt=True, tools=None, **self.special_tokens)
+        return self.servicer.pair.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def max_tokens(self, body: dict, chat: bool, prompt_tokens: int) -> int:
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        if name not in body:  # OpenAI: 16 for completions; for chat, as many as fit
+            return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.room - prompt_tokens)
+        value = body[name]
+        if not _is_int(value) or value < 1:
+            raise ApiError(400, f"`{name}` must be an integer >= 1, got {json.dumps(value)}", name)
+        return value
+
+    # -- answering -------------------------------------------------------------------------
+
+    def start(self, call: Call):
+        """Validate on the gRPC path and start generating; the events of the request."""
+        from specd.orchestrator.server import BadRequest
+
+        try:
+            request = self.servicer.prepare(call.message, None)
+        except BadRequest as error:
+            self.servicer.metrics.rejected(API_LABEL)
+            raise ApiError(400, str(error)) from None
+        return self.servicer.generate(request, API_LABEL)
+
+    async def complete(self, call: Call) -> dict:
+        text, finished = "", None
+        async for event in self.start(call):
+            if isinstance(event, Failed):
+                raise _failed(event)
+            if isinstance(event, Delta):
+                text += event.text
+            else:
+                finished = event
+        choice = {"index": 0, "finish_reason": finish_reason(finished.reason), "logprobs": None}
+        if call.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
+                "created": call.created, "model": self.model_name, "choices": [choice], "usage": usage(finished),
+                "specd": speculation(finished.stats)}
+
+    async def stream(self, call: Call):
+        """Server-sent events; the first event is awaited before the response starts, so an error
+        that ends a request before any output still gets its own HTTP status."""
+        events = self.start(call)
+        first = await anext(events)
+        if isinstance(first, Failed):
+            raise _failed(first)
+        return StreamingResponse(self._sse(call, first, events), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def _sse(self, call: Call, first, events):
+        if call.chat:
+            yield _event(self._chunk(call, {"role": "assistant", "content": ""}))
+        event = first
+        while True:
+            if isinstance(event, Failed):
+                yield _event(_failed(event).body())
+                break
+            if isinstance(event, Delta):
+                if event.text:
+                    yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
+            else:
+                last = self._chunk(call, {} if call.chat else "", finish_reason(event.reason))
+                last["specd"] = speculation(event.stats)
+                yield _event(last)
+                if call.include_usage:
+                    yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
+                break
+            event = await anext(events, None)
+            if event is None:
+                break
+        yield "data: [DONE]\n\n"
+
+    def _chunk(self, call: Call, delta, finish: str | None = None) -> dict:
+        choice = {"index": 0, "finish_reason": finish}
+        if call.chat:
+            choice["delta"] = delta
+            choice["logprobs"] = None
+        else:
+            choice["text"] = delta
+            choice["logprobs"] = None
+        return {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
+                "created": call.created, "model": self.model_name, "choices": [choice]}
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
+                                            "owned_by": "specd", "max_model_len": self.room}]}
+
+
+def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
+    """With `token`, /v1/* needs `Authorization: Bearer <token>` (the OpenAI SDK's api_key);
+    /health and /metrics stay open, like grpc.health.v1."""
+    app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
+    expected = f"Bearer {token}".encode() if token else None
+
+    @app.middleware("http")
+    async def authorize(request: Request, call_next):
+        if expected and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "").encode()
+            if not hmac.compare_digest(given, expected):
+                reason = "the bearer token is wrong" if given else "no `Authorization: Bearer <token>` header"
+                return ApiError(401, f"{reason}: this server requires a token", code="invalid_api_key").response()
+        return await call_next(request)
+
+    async def generate(request: Request, chat: bool):
+        try:
+            try:
+                body = await request.json()
+            except ValueError as error:
+                raise ApiError(400, f"the request body is not valid JSON: {error}") from None
+            call = api.parse(body, chat)
+            return await api.stream(call) if call.stream else JSONResponse(await api.complete(call))
+        except ApiError as error:
+            return error.response()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return api.models()
+
+    @app.get("/health")
+    async def healthy():
+        if api.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class HttpApi:
+    """uvicorn serving the API inside the orchestrator's own event loop."""
+
+    def __init__(self, servicer, model_name: str | None = None, token: str | None = None):
+        self.api = OpenAiApi(servicer, model_name)
+        self.app = create_app(self.api, servicer.metrics.registry, token)
+        self.server: uvicorn.Server | None = None
+        self.task: asyncio.Task | None = None
+        self.port = 0
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
+        """Bind (port 0 picks a free one) and serve; returns the port."""
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=5)
+        self.server = _InLoopServer(config)
+        self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises why it could not start
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+        return self.port
+
+    async def stop(self) -> None:
+        self.api.draining = True
+        if self.server and self.task:
+            self.server.should_exit = True
+            await self.task
+
+
+class _InLoopServer(uvicorn.Server):
+    """The orchestrator owns SIGINT/SIGTERM (serve_until_signal): uvicorn must not take them."""
+
+    def capture_signals(self):
+        return nullcontext()
+
+
+# -- translation helpers -------------------------------------------------------------------------
+
+def served_model_name(name: str) -> str:
+    """The id /v1/models lists: a default-pair role (`target`) becomes its model's name."""
+    from specd.model.store import find_spec
+
+    spec = find_spec(name)
+    return spec.name if spec else name
+
+
+def compile_chat_template(source: str | None):
+    """Compile a Hugging Face chat template the way transformers does (sandboxed Jinja)."""
+    if isinstance(source, list):  # older configs: [{"name": "default", "template": ...}, ...]
+        source = next((entry.get("template") for entry in source if entry.get("name") == "default"), None)
+    if not source:
+        return None
+    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
+
+    def raise_exception(message):
+        raise ApiError(400, f"the chat template refused the messages: {message}", "messages")
+
+    environment.globals["raise_exception"] = raise_exception
+    return environment.from_string(source)
+
+
+def _text_content(content, index: int) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
+                                         and isinstance(part.get("text"), str) for part in content):
+        return "".join(part["text"] for part in content)
+    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts (no images or audio)",
+                   f"messages[{index}].content")
+
+
+def _token_text(token) -> str:
+    """A special token as tokenizer_config.json spells it: a string or {"content": ...}."""
+    return token.get("content", "") if isinstance(token, dict) else token or ""
+
+
+def _sampling(body: dict) -> common_pb2.SamplingParams:
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise ApiError(400, f"`temperature` must be >= 0, got {temperature}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise ApiError(400, f"`top_p` must be in (0, 1], got {top_p}", "top_p")
+    top_k = body.get("top_k", 0)
+    if not _is_int(top_k) or top_k < -1:
+        raise ApiError(400, f"`top_k` must be an integer >= 0 (0 or -1: off), got {json.dumps(top_k)}", "top_k")
+    seed = body.get("seed", 0)
+    if not _is_int(seed) or not 0 <= seed < 2**64:
+        raise ApiError(400, f"`seed` must be an integer in [0, 2^64), got {json.dumps(seed)}", "seed")
+    return common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
+        raise ApiError(400, f"`{name}` must be a finite number, got {json.dumps(value)}", name)
+    return float(value)
+
+
+def _typed(body: dict, name: str, kind: type, default):
+    value = body.get(name, default)
+    if not isinstance(value, kind):
+        raise ApiError(400, f"`{name}` must be a {kind.__name__}, got {json.dumps(value)}", name)
+    return value
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def finish_reason(reason: str) -> str:
+    """specd's finish reasons in OpenAI's words (a deadline ends a request early, like a length)."""
+    return "length" if reason == "deadline" else reason
+
+
+def usage(finished: Finished) -> dict:
+    return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
+            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
+
+
+def speculation(stats: Stats) -> dict:
+    """The request's speculation stats (the gRPC Final's SpeculationStats, plus network seconds)."""
+    return {
+        "draft_tokens": stats.draft_tokens, "steps": stats.steps, "drafts": stats.drafting_steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length, "accepted_per_position": stats.accepted_per_position,
+        "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
+        "network_seconds": stats.network_seconds, "tokens_per_s": stats.tokens_per_s,
+        "time_to_first_token_s": stats.time_to_first_token_s, "resyncs": stats.resyncs,
+    }
+
+
+def _failed(failed: Failed) -> ApiError:
+    return ApiError(STATUS_OF_CODE.get(failed.code, 500), f"{failed.code}: {failed.message}", code=failed.code)
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

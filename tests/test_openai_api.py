@@ -1,0 +1,286 @@
+"""The OpenAI-compatible HTTP API: the official `openai` client against it, greedy output equal to
+the gRPC API's, OpenAI-style 400s for what specd does not do, and the Prometheus counters
+consistent with the per-request stats."""
+
+import asyncio
+import json
+import re
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from specd.metrics import start_exporter
+from specd.orchestrator.openai_api import HttpApi
+from specd.v1 import common_pb2, specdecode_pb2
+
+PROMPT = "def quicksort(arr):"
+CHAT = [{"role": "system", "content": "You are a terse assistant."},
+        {"role": "user", "content": "Write a Python function that reverses a string."}]
+
+
+@pytest.fixture(scope="module")
+async def tiny_http(tiny_stack):
+    """The tiny stack's orchestrator, also serving HTTP on a free port."""
+    http = HttpApi(tiny_stack.orchestrator.servicer)
+    port = await http.start("127.0.0.1", 0)
+    yield tiny_stack, f"http://127.0.0.1:{port}", http.api.model_name
+    await http.stop()
+
+
+def client(base: str) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+async def grpc_generate(stack, max_new_tokens: int, k: int | None = None, prompt: str = "",
+                        prompt_token_ids=(), ignore_eos: bool = True) -> tuple[str, specdecode_pb2.Final]:
+    message = specdecode_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=list(prompt_token_ids),
+                                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
+                                             sampling=common_pb2.SamplingParams(temperature=0))
+    if k is not None:
+        message.draft_tokens = k
+    text, final = "", None
+    async for reply in stack.client.Generate(message):
+        if reply.HasField("delta"):
+            text += reply.delta.text
+        else:
+            final = reply.final
+    return text, final
+
+
+async def http(method: str, url: str, body=None, headers=None) -> tuple[int, str]:
+    """One plain HTTP call (status, body text), off the event loop."""
+    def call():
+        data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
+        request = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json", **(headers or {})})
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+    return await asyncio.to_thread(call)
+
+
+def chat_prompt_ids(model_dir) -> list[int]:
+    """What transformers itself renders for CHAT: our Jinja rendering must give the same ids."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
+async def test_openai_completion_equals_grpc_greedy(tiny_http):
+    stack, base, model = tiny_http
+    expected, final = await grpc_generate(stack, 16, prompt=PROMPT)
+    completion = await client(base).completions.create(
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    assert choice.text == expected and choice.finish_reason == "length"
+    assert completion.usage.completion_tokens == 16 and completion.usage.prompt_tokens == final.usage.prompt_tokens
+    stats = completion.model_extra["specd"]
+    assert stats["draft_tokens"] == 4 and stats["drafted"] > 0
+    assert stats["accepted"] == sum(stats["accepted_per_position"]) and 0 <= stats["acceptance_rate"] <= 1
+
+
+async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
+    stack, base, model = tiny_http
+    expected, _ = await grpc_generate(stack, 12, prompt_token_ids=chat_prompt_ids(tiny_dirs["target"]))
+    stream = await client(base).chat.completions.create(
+        model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    text, finish, stats, usage = "", None, None, None
+    async for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            finish = choice.finish_reason or finish
+            stats = (chunk.model_extra or {}).get("specd", stats)
+    assert text == expected
+    assert finish == "length" and usage.completion_tokens == 12
+    assert stats["steps"] >= 1
+
+
+async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_http):
+    stack, base, model = tiny_http
+    openai_client = client(base)
+    whole = await openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
+                                                        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 2}})
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.model_extra["specd"]["draft_tokens"] == 2
+    pieces = await openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                                    stream=True, extra_body={"ignore_eos": True})
+    streamed = "".join([chunk.choices[0].text async for chunk in pieces if chunk.choices])
+    plain = await openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
+                                                   extra_body={"ignore_eos": True, "specd": {"draft_tokens": 0}})
+    assert streamed == plain.choices[0].text  # speculation on (K=4) and off give the same greedy text
+    assert plain.model_extra["specd"]["drafted"] == 0
+
+
+async def test_server_sent_events_end_with_done(tiny_http):
+    _, base, model = tiny_http
+    status, body = await http("POST", f"{base}/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True})
+    assert status == 200
+    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(event) for event in events[:-1]]
+    assert all(chunk["object"] == "text_completion" for chunk in chunks)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "specd" in chunks[-1]
+
+
+async def test_models_health_and_wrong_model(tiny_http):
+    _, base, model = tiny_http
+    status, body = await http("GET", f"{base}/v1/models")
+    assert status == 200 and [entry["id"] for entry in json.loads(body)["data"]] == [model]
+    assert await http("GET", f"{base}/health") == (200, '{"status":"ok"}')
+    status, body = await http("POST", f"{base}/v1/completions", {"model": "gpt-4", "prompt": "hi"})
+    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.parametrize("path, fields, param, fragment", [
+    ("completions", {"n": 2}, "n", "one choice per request"),
+    ("completions", {"best_of": 3}, "best_of", "one choice"),
+    ("completions", {"echo": True}, "echo", "not echoed"),
+    ("completions", {"logprobs": 5}, "logprobs", "log probabilities"),
+    ("completions", {"suffix": "}"}, "suffix", "suffix"),
+    ("completions", {"logit_bias": {"42": 5}}, "logit_bias", "logit_bias"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
+    ("completions", {"frequency_penalty": 1}, "frequency_penalty", "penalties"),
+    ("completions", {"guided_json": {}}, "guided_json", "unknown field"),
+    ("completions", {"temperature": -1}, "temperature", ">= 0"),
+    ("completions", {"temperature": "hot"}, "temperature", "finite number"),
+    ("completions", {"top_p": 0}, "top_p", "(0, 1]"),
+    ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
+    ("completions", {"seed": -1}, "seed", "seed"),
+    ("completions", {"stop": 5}, "stop", "stop"),
+    ("completions", {"prompt": ["one", "two"]}, "prompt", "one request per prompt"),
+    ("completions", {"prompt": ""}, None, "empty"),
+    ("completions", {"max_tokens": 100_000}, None, "exceeds"),
+    ("completions", {"specd": {"draft_tokens": 99}}, None, "K=99"),
+    ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
+    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
+    ("chat/completions", {"n": 3}, "n", "one choice"),
+    ("chat/completions", {"messages": []}, "messages", "non-empty"),
+    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     "messages[0].content", "no images"),
+])
+async def test_unsupported_fields_and_bad_values_answer_400(tiny_http, path, fields, param, fragment):
+    _, base, model = tiny_http
+    body = {"model": model, "max_tokens": 4}
+    body.update({"messages": CHAT} if path.startswith("chat") else {"prompt": PROMPT})
+    body.update(fields)
+    status, text = await http("POST", f"{base}/v1/{path}", body)
+    error = json.loads(text)["error"]
+    assert status == 400, text
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert fragment in error["message"], error["message"]
+
+
+async def test_defaults_and_nulls_are_accepted(tiny_http):
+    _, base, model = tiny_http
+    status, text = await http("POST", f"{base}/v1/completions", {
+        "model": model, "prompt": PROMPT, "max_tokens": 3, "n": 1, "logprobs": None, "echo": False,
+        "presence_penalty": 0, "logit_bias": {}, "user": "someone", "stop": None})
+    assert status == 200, text
+    assert json.loads(text)["usage"]["completion_tokens"] <= 3
+    status, text = await http("POST", f"{base}/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
+
+
+def scrape(text: str) -> dict[str, float]:
+    """Prometheus text format -> {'name{labels}': value}."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            samples[name] = float(value)
+    return samples
+
+
+def delta(after: dict, before: dict, name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+async def test_metrics_agree_with_the_per_request_stats(tiny_http):
+    stack, base, model = tiny_http
+    before = scrape((await http("GET", f"{base}/metrics"))[1])
+    openai_client = client(base)
+    stats = []
+    for k, prompt in ((4, PROMPT), (2, "The capital of France is"), (6, "import numpy as np\n")):
+        completion = await openai_client.completions.create(
+            model=model, prompt=prompt, max_tokens=14, temperature=0,
+            extra_body={"ignore_eos": True, "specd": {"draft_tokens": k}})
+        stats.append(completion.model_extra["specd"])
+    _, final = await grpc_generate(stack, 9, k=3, prompt=PROMPT)
+    after = scrape((await http("GET", f"{base}/metrics"))[1])
+
+    accepted = sum(s["accepted"] for s in stats) + final.stats.accepted
+    assert delta(after, before, "specd_spec_decode_num_accepted_tokens_total") == accepted > 0
+    assert delta(after, before, "specd_spec_decode_num_draft_tokens_total") == \
+        sum(s["drafted"] for s in stats) + final.stats.drafted
+    drafts = delta(after, before, "specd_spec_decode_num_drafts_total")
+    assert drafts >= sum(s["drafts"] for s in stats) + 1  # the gRPC Final does not carry drafts
+    assert drafts <= sum(s["drafts"] for s in stats) + final.stats.steps
+    per_position = [0] * 6
+    for accepted_per_position in [s["accepted_per_position"] for s in stats] + [final.stats.accepted_per_position]:
+        for position, count in enumerate(accepted_per_position):
+            per_position[position] += count
+    for position, count in enumerate(per_position):
+        name = f'specd_spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}}'
+        assert delta(after, before, name) == count, position
+    assert delta(after, before, 'specd_requests_total{api="http",outcome="length"}') == 3
+    assert delta(after, before, 'specd_requests_total{api="grpc",outcome="length"}') == 1
+    assert delta(after, before, "specd_e2e_request_latency_seconds_count") == 4
+    assert delta(after, before, "specd_time_to_first_token_seconds_count") == 4
+    assert delta(after, before, "specd_generation_tokens_total") == 3 * 14 + 9
+    steps = sum(s["steps"] for s in stats) + final.stats.steps
+    assert delta(after, before, 'specd_step_seconds_count{phase="verify"}') == steps
+    assert delta(after, before, 'specd_step_seconds_count{phase="network"}') == steps
+    assert after["specd_requests_running"] == 0
+
+
+async def test_services_export_calls_sessions_and_batches(tiny_http):
+    stack, _, _ = tiny_http
+    await grpc_generate(stack, 6, prompt=PROMPT)
+    for server, method in ((stack.services.draft_server, "Propose"), (stack.services.target_server, "Verify")):
+        exporter = start_exporter(server.metrics.registry, "127.0.0.1", 0)
+        try:
+            status, text = await http("GET", f"http://127.0.0.1:{exporter.server_port}/metrics")
+        finally:
+            exporter.shutdown()
+        samples = scrape(text)
+        assert status == 200
+        assert samples[f'specd_service_calls_total{{code="OK",method="{method}"}}'] > 0
+        assert samples[f'specd_service_call_seconds_count{{method="{method}"}}'] > 0
+        assert "specd_sessions_open" in samples and "specd_queue_depth" in samples
+        assert re.search(r'specd_batch_size_bucket\{le="\+Inf"\}', text)
+
+
+@pytest.mark.real
+async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_stack):
+    """The issue's acceptance test: the official client against the real pair, greedy == gRPC."""
+    from specd.model.store import resolve_model
+
+    http_api = HttpApi(real_stack.orchestrator.servicer)
+    port = await http_api.start("127.0.0.1", 0)
+    try:
+        base, model = f"http://127.0.0.1:{port}", http_api.api.model_name
+        assert model == "qwen2.5-coder-1.5b-instruct"
+        expected, _ = await grpc_generate(real_stack, 24, prompt=PROMPT)
+        completion = await client(base).completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
+                                                           extra_body={"ignore_eos": True})
+        assert completion.choices[0].text == expected
+        assert completion.model_extra["specd"]["acceptance_rate"] > 0.3
+
+        expected, _ = await grpc_generate(real_stack, 24, prompt_token_ids=chat_prompt_ids(resolve_model("target")),
+                                          ignore_eos=False)
+        stream = await client(base).chat.completions.create(model=model, messages=CHAT, max_tokens=24,
+                                                            temperature=0, stream=True)
+        text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
+        assert text and text == expected
+    finally:
+        await http_api.stop()
