@@ -5,6 +5,10 @@ consistent with the per-request stats."""
 import asyncio
 import json
 import re
+import shutil
+import ssl
+import subprocess
+import sys
 import urllib.error
 import urllib.request
 
@@ -12,6 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
+from specd.deploy.local import free_port
 from specd.metrics import start_exporter
 from specd.orchestrator.openai_api import HttpApi
 from specd.v1 import common_pb2, specdecode_pb2
@@ -50,14 +55,14 @@ async def grpc_generate(stack, max_new_tokens: int, k: int | None = None, prompt
     return text, final
 
 
-async def http(method: str, url: str, body=None, headers=None) -> tuple[int, str]:
+async def http(method: str, url: str, body=None, headers=None, context=None) -> tuple[int, str]:
     """One plain HTTP call (status, body text), off the event loop."""
     def call():
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
         request = urllib.request.Request(url, data=data, method=method,
                                          headers={"Content-Type": "application/json", **(headers or {})})
         try:
-            with urllib.request.urlopen(request, timeout=120) as response:
+            with urllib.request.urlopen(request, timeout=120, context=context) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
@@ -284,3 +289,61 @@ async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_sta
         assert text and text == expected
     finally:
         await http_api.stop()
+
+
+def self_signed(folder) -> tuple[bytes, bytes]:
+    """A certificate for 127.0.0.1 and its key (PEM), made by the openssl command."""
+    key, cert = folder / "key.pem", folder / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    return cert.read_bytes(), key.read_bytes()
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+async def test_token_and_tls_guard_the_api_but_not_health(tiny_stack, tmp_path):
+    cert, key = self_signed(tmp_path)
+    http_api = HttpApi(tiny_stack.orchestrator.servicer, token="s3cret", tls=(cert, key))
+    port = await http_api.start("127.0.0.1", 0)
+    trusted = ssl.create_default_context(cadata=cert.decode())
+    try:
+        base = f"https://127.0.0.1:{port}"
+        status, text = await http("GET", f"{base}/v1/models", context=trusted)
+        assert status == 401 and json.loads(text)["error"]["code"] == "invalid_api_key"
+        status, _ = await http("GET", f"{base}/v1/models", headers={"Authorization": "Bearer s3cret"}, context=trusted)
+        assert status == 200
+        assert (await http("GET", f"{base}/health", context=trusted))[0] == 200
+    finally:
+        await http_api.stop()
+
+
+def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
+    """`specd up` as a user runs it (three processes): the printed addresses answer."""
+    ports = {flag: free_port() for flag in ("--port", "--draft-port", "--target-port", "--http-port", "--metrics-port",
+                                            "--draft-metrics-port", "--target-metrics-port")}
+    command = [sys.executable, "-m", "specd", "up", "--dtype", "float32", "--workers", "1",
+               "--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"]),
+               *(str(item) for pair in ports.items() for item in pair)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               start_new_session=True)
+    try:
+        lines = []
+        for line in process.stdout:
+            lines.append(line)
+            if line.startswith("ready:"):
+                break
+        printed = "".join(lines)
+        base = f"http://127.0.0.1:{ports['--http-port']}/v1"
+        assert base in printed, printed
+        for flag in ("--metrics-port", "--draft-metrics-port", "--target-metrics-port"):
+            assert f"http://127.0.0.1:{ports[flag]}/metrics" in printed
+        status, text = asyncio.run(http("POST", f"{base}/completions", {
+            "prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 6
+        status, text = asyncio.run(http("GET", f"http://127.0.0.1:{ports['--metrics-port']}/metrics"))
+        assert 'specd_requests_total{api="http",outcome=' in text
+        status, text = asyncio.run(http("GET", f"http://127.0.0.1:{ports['--target-metrics-port']}/metrics"))
+        assert 'specd_service_calls_total{code="OK",method="Verify"}' in text
+    finally:
+        process.terminate()  # `specd up` stops its three processes on SIGTERM
+        process.wait(60)

@@ -21,10 +21,12 @@ import asyncio
 import hmac
 import json
 import socket
+import tempfile
 import time
 import uuid
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -339,11 +341,14 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
 
 
 class HttpApi:
-    """uvicorn serving the API inside the orchestrator's own event loop."""
+    """uvicorn serving the API inside the orchestrator's own event loop; HTTPS with `tls` (PEM
+    certificate chain, PEM key), as the orchestrator's gRPC port has."""
 
-    def __init__(self, servicer, model_name: str | None = None, token: str | None = None):
+    def __init__(self, servicer, model_name: str | None = None, token: str | None = None,
+                 tls: tuple[bytes, bytes] | None = None):
         self.api = OpenAiApi(servicer, model_name)
         self.app = create_app(self.api, servicer.metrics.registry, token)
+        self.tls = tls
         self.server: uvicorn.Server | None = None
         self.task: asyncio.Task | None = None
         self.port = 0
@@ -354,8 +359,14 @@ class HttpApi:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         self.port = sock.getsockname()[1]
-        config = uvicorn.Config(self.app, log_level="warning", access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=5)
+        if self.tls:  # uvicorn reads PEM from files; they are needed only while it loads them
+            with tempfile.TemporaryDirectory() as folder:
+                files = {name: Path(folder, f"{name}.pem") for name in ("ssl_certfile", "ssl_keyfile")}
+                for path, pem in zip(files.values(), self.tls):
+                    path.write_bytes(pem)
+                config = _config(self.app, **{name: str(path) for name, path in files.items()})
+        else:
+            config = _config(self.app)
         self.server = _InLoopServer(config)
         self.task = asyncio.create_task(self.server.serve(sockets=[sock]))
         while not self.server.started:
@@ -370,6 +381,13 @@ class HttpApi:
         if self.server and self.task:
             self.server.should_exit = True
             await self.task
+
+
+def _config(app, **tls_files) -> uvicorn.Config:
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
+                            **tls_files)
+    config.load()  # reads the TLS files now
+    return config
 
 
 class _InLoopServer(uvicorn.Server):
