@@ -221,6 +221,8 @@ async def test_metrics_agree_with_the_per_request_stats(tiny_http):
             extra_body={"ignore_eos": True, "specd": {"draft_tokens": k}})
         stats.append(completion.model_extra["specd"])
     _, final = await grpc_generate(stack, 9, k=3, prompt=PROMPT)
+    assert (await http("POST", f"{base}/v1/completions", {"prompt": PROMPT, "n": 2}))[0] == 400  # refused by parse
+    assert (await http("POST", f"{base}/v1/completions", {"prompt": ""}))[0] == 400  # refused by prepare
     after = scrape((await http("GET", f"{base}/metrics"))[1])
 
     accepted = sum(s["accepted"] for s in stats) + final.stats.accepted
@@ -239,6 +241,7 @@ async def test_metrics_agree_with_the_per_request_stats(tiny_http):
         assert delta(after, before, name) == count, position
     assert delta(after, before, 'specd_requests_total{api="http",outcome="length"}') == 3
     assert delta(after, before, 'specd_requests_total{api="grpc",outcome="length"}') == 1
+    assert delta(after, before, 'specd_requests_total{api="http",outcome="INVALID_ARGUMENT"}') == 2
     assert delta(after, before, "specd_e2e_request_latency_seconds_count") == 4
     assert delta(after, before, "specd_time_to_first_token_seconds_count") == 4
     assert delta(after, before, "specd_generation_tokens_total") == 3 * 14 + 9

@@ -61,9 +61,9 @@ class OrchestratorMetrics:
         self.resyncs = Counter("specd_session_resyncs", "Session calls resent after a service disagreed on its cache",
                                registry=registry)
 
-    def rejected(self, api: str) -> None:
-        """A request refused before it started (INVALID_ARGUMENT)."""
-        self.requests.labels(api, "INVALID_ARGUMENT").inc()
+    def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
+        """A request refused before it started."""
+        self.requests.labels(api, outcome).inc()
 
     async def track(self, api: str, events: AsyncIterator) -> AsyncIterator:
         """Pass a request's events through, recording it."""

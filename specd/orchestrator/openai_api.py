@@ -311,8 +311,12 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
             except ValueError as error:
                 raise ApiError(400, f"the request body is not valid JSON: {error}") from None
             call = api.parse(body, chat)
-            return await api.stream(call) if call.stream else JSONResponse(await api.complete(call))
         except ApiError as error:
+            api.servicer.metrics.rejected(API_LABEL, "NOT_FOUND" if error.status == 404 else "INVALID_ARGUMENT")
+            return error.response()
+        try:
+            return await api.stream(call) if call.stream else JSONResponse(await api.complete(call))
+        except ApiError as error:  # refused by prepare() (counted there) or failed before any output
             return error.response()
 
     @app.post("/v1/completions")
