@@ -113,7 +113,13 @@ async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_htt
     whole = await openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
                                                         extra_body={"ignore_eos": True, "specd": {"draft_tokens": 2}})
     assert whole.choices[0].message.role == "assistant"
-    assert whole.model_extra["specd"]["draft_tokens"] == 2
+    stats = whole.model_extra["specd"]
+    assert stats["draft_tokens"] == 2 and "step_seconds" not in stats
+    traced = await openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
+                                                         extra_body={"specd": {"draft_tokens": 2, "trace": True}})
+    steps = traced.model_extra["specd"]["step_seconds"]
+    assert len(steps) == traced.model_extra["specd"]["steps"]
+    assert all(len(step) == 3 and min(step) >= 0 and step[1] > 0 for step in steps)  # draft, verify, network
     pieces = await openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
                                                     stream=True, extra_body={"ignore_eos": True})
     streamed = "".join([chunk.choices[0].text async for chunk in pieces if chunk.choices])
@@ -165,6 +171,7 @@ async def test_models_health_and_wrong_model(tiny_http):
     ("completions", {"max_tokens": 100_000}, None, "exceeds"),
     ("completions", {"specd": {"draft_tokens": 99}}, None, "K=99"),
     ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
+    ("completions", {"specd": {"trace": "yes"}}, "specd.trace", "true or false"),
     ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
     ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),

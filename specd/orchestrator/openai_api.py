@@ -12,8 +12,8 @@ limits and output are the same: greedy output over HTTP equals greedy output ove
 
 Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, ...) answer
 400 naming the field, as do fields OpenAI does not define; null means "not set". Extensions:
-`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K}` (0 turns speculation
-off). Every response (the last chunk, when streaming) carries the request's speculation
+`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "trace": true}` (K = 0
+turns speculation off; trace adds each step's draft / verify / network seconds). Every response (the last chunk, when streaming) carries the request's speculation
 stats in `"specd"`.
 """
 
@@ -91,6 +91,7 @@ class Call:
     message: specdecode_pb2.GenerateRequest
     stream: bool = False
     include_usage: bool = False
+    trace: bool = False  # add each step's seconds to the stats
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -149,9 +150,9 @@ class OpenAiApi:
         message.stop.extend(stop)
         extension = _typed(body, "specd", dict, {})
         for name in extension:
-            if name != "draft_tokens":
-                raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off)",
-                               f"specd.{name}")
+            if name not in ("draft_tokens", "trace"):
+                raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) "
+                                    f"and `trace`", f"specd.{name}")
         if "draft_tokens" in extension:
             k = extension["draft_tokens"]
             if not _is_int(k) or k < 0:
@@ -164,7 +165,10 @@ class OpenAiApi:
             raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
         if set(options) - {"include_usage"}:
             raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
-        return Call(chat, message, stream, bool(options.get("include_usage", False)))
+        trace = extension.get("trace", False)
+        if not isinstance(trace, bool):
+            raise ApiError(400, f"`specd.trace` must be true or false, got {json.dumps(trace)}", "specd.trace")
+        return Call(chat, message, stream, bool(options.get("include_usage", False)), trace)
 
     def completion_prompt(self, prompt, message: specdecode_pb2.GenerateRequest) -> None:
         """A string, or token ids; a list of one of those is fine, a batch of several is not."""
@@ -238,7 +242,7 @@ class OpenAiApi:
             choice["text"] = text
         return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
                 "created": call.created, "model": self.model_name, "choices": [choice], "usage": usage(finished),
-                "specd": speculation(finished.stats)}
+                "specd": speculation(finished.stats, call.trace)}
 
     async def stream(self, call: Call):
         """Server-sent events; the first event is awaited before the response starts, so an error
@@ -263,7 +267,7 @@ class OpenAiApi:
                     yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
             else:
                 last = self._chunk(call, {} if call.chat else "", finish_reason(event.reason))
-                last["specd"] = speculation(event.stats)
+                last["specd"] = speculation(event.stats, call.trace)
                 yield _event(last)
                 if call.include_usage:
                     yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
@@ -487,17 +491,20 @@ def usage(finished: Finished) -> dict:
             "total_tokens": finished.prompt_tokens + finished.completion_tokens}
 
 
-def speculation(stats: Stats) -> dict:
-    """The request's speculation stats (the gRPC Final's SpeculationStats, plus network seconds)."""
-    return {
+def speculation(stats: Stats, trace: bool = False) -> dict:
+    """The request's speculation stats (the gRPC Final's SpeculationStats, plus drafts and network
+    seconds); with `trace`, also [draft, verify, network] seconds of each step."""
+    answer = {
         "draft_tokens": stats.draft_tokens, "steps": stats.steps, "drafts": stats.drafting_steps,
-        "drafted": stats.drafted,
-        "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
+        "drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length, "accepted_per_position": stats.accepted_per_position,
         "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
         "network_seconds": stats.network_seconds, "tokens_per_s": stats.tokens_per_s,
         "time_to_first_token_s": stats.time_to_first_token_s, "resyncs": stats.resyncs,
     }
+    if trace:
+        answer["step_seconds"] = [[round(seconds, 6) for seconds in step] for step in stats.step_seconds]
+    return answer
 
 
 def _failed(failed: Failed) -> ApiError:
