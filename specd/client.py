@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from specd.auth import ClientSecurity
 from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 
@@ -44,5 +45,6 @@ async def complete(stub: specdecode_pb2_grpc.SpecDecodeStub, request, on_text=No
     return completion
 
 
-def channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address)
+def channel(address: str, security: ClientSecurity = ClientSecurity()) -> grpc.aio.Channel:
+    """A channel to an orchestrator; `security` carries the bearer token and the CA for TLS."""
+    return security.channel(address)

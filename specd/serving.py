@@ -20,6 +20,7 @@ import torch
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd.auth import ServerSecurity
 from specd.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY
 from specd.metrics import ServiceMetrics, start_exporter
 from specd.model.engine import Engine
@@ -188,10 +189,10 @@ class ModelServer:
         self.port = 0
         self._evictor: asyncio.Task | None = None
 
-    async def start(self, address: str = "127.0.0.1:0") -> int:
+    async def start(self, address: str = "127.0.0.1:0", security: ServerSecurity = ServerSecurity()) -> int:
         """Bind and start answering (health says NOT_SERVING until load() ends); returns the port."""
         self.server = grpc.aio.server(
-            interceptors=[self.metrics.interceptor],
+            interceptors=[*security.interceptors(), self.metrics.interceptor],
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -202,7 +203,7 @@ class ModelServer:
         reflection.enable_server_reflection(
             (self.service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
-        self.port = self.server.add_insecure_port(address)
+        self.port = security.bind(self.server, address)
         if self.port == 0:
             raise OSError(f"could not bind {address}")
         await self.server.start()
@@ -238,13 +239,13 @@ class ModelServer:
 
 
 async def serve_until_signal(model_server: ModelServer, address: str, metrics_host: str = "127.0.0.1",
-                             metrics_port: int | None = None) -> None:
+                             metrics_port: int | None = None, security: ServerSecurity = ServerSecurity()) -> None:
     """The `specd serve` main: start, load, serve until SIGINT/SIGTERM, then drain."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    port = await model_server.start(address)
+    port = await model_server.start(address, security)
     if metrics_port is not None:
         exporter = start_exporter(model_server.metrics.registry, metrics_host, metrics_port)
         print(f"{model_server.service_name} metrics on http://{metrics_host}:{exporter.server_port}/metrics", flush=True)

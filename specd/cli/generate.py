@@ -8,6 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from specd.auth import add_client_flags, client_security_from_args
 from specd.cli.common import UserError, add_model_flags
 
 
@@ -15,6 +16,7 @@ def add_parser(verbs) -> None:
     parser = verbs.add_parser("generate", help="generate a completion (starts an embedded stack without --server)")
     parser.add_argument("prompt")
     parser.add_argument("--server", default=None, metavar="HOST:PORT", help="a running orchestrator (default: start one)")
+    add_client_flags(parser, "--server")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
@@ -69,7 +71,11 @@ async def _run_requests(args, address: str) -> dict:
     settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                     top_k=args.top_k, seed=args.seed, stop=args.stop)
     k = 0 if args.no_speculation else args.draft_tokens
-    async with channel(address) as open_channel:
+    try:
+        security = client_security_from_args(args)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    async with channel(address, security) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
         on_text = None if args.json else _echo
         completion = await complete(stub, make_request(args.prompt, draft_tokens=k, **settings), on_text)

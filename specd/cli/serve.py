@@ -5,8 +5,10 @@ import asyncio
 import functools
 import logging
 
-from specd.cli.common import add_model_flags
+from specd.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
+from specd.cli.common import UserError, add_model_flags
 from specd.model.sessions import Limits
+from specd.orchestrator.faults import FaultPolicy
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
@@ -22,6 +24,7 @@ def add_parser(verbs) -> None:
         _add_address_flags(parser, role)
         add_model_flags(parser)
         _add_limit_flags(parser)
+        add_server_flags(parser)
         parser.set_defaults(run=run_model_service)
     parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
     parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="the draft service")
@@ -33,6 +36,9 @@ def add_parser(verbs) -> None:
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)")
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
+    _add_orchestrator_limit_flags(parser)
+    add_server_flags(parser)
+    add_client_flags(parser, "the services (the orchestrator sends its own --token to them)", token=False)
     parser.set_defaults(run=run_orchestrator)
 
 
@@ -53,6 +59,27 @@ def _add_limit_flags(parser) -> None:
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds before an untouched session is evicted")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most concurrent calls sharing one forward pass (1: no batching)")
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="most new tokens in one batched pass")
+
+
+def _add_orchestrator_limit_flags(parser) -> None:
+    policy = FaultPolicy()
+    parser.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
+                        help="requests in flight at once; more are refused RESOURCE_EXHAUSTED (default: no limit)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
+                        help="longest prompt accepted (default: what a session holds)")
+    parser.add_argument("--propose-timeout", type=float, default=policy.propose_timeout_s, metavar="S",
+                        help="cap on one draft call; a slower draft is skipped for that step (target-only)")
+    parser.add_argument("--call-timeout", type=float, default=policy.call_timeout_s, metavar="S",
+                        help="cap on one target call (the client's deadline may be shorter)")
+    parser.add_argument("--target-retry", type=float, default=policy.target_retry_s, metavar="S",
+                        help="retry an unavailable target this long, then end the request UNAVAILABLE")
+
+
+def _security(args, client: bool = False):
+    try:
+        return client_security_from_args(args) if client else server_security_from_args(args)
+    except ValueError as error:
+        raise UserError(str(error)) from error
 
 
 def limits_from_args(args) -> Limits:
@@ -80,7 +107,8 @@ def run_model_service(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = limits_from_args(args)
     load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits)
-    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}",
+    security = _security(args)
+    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}", security=security,
                                    metrics_host=args.host, metrics_port=None if args.no_metrics else args.metrics_port))
     return 0
 
@@ -94,8 +122,14 @@ def run_orchestrator(args: argparse.Namespace) -> int:
 
     from specd.orchestrator.server import OrchestratorServer, serve_until_signal
 
+    policy = FaultPolicy(propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout,
+                         target_retry_s=args.target_retry)
+    security, service_security = _security(args), _security(args, client=True)
     start_ray(args.ray_address)
-    server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens)
+    server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens,
+                                policy=policy, security=security, service_security=service_security,
+                                max_concurrent_requests=args.max_concurrent_requests,
+                                max_prompt_tokens=args.max_prompt_tokens)
     try:
         asyncio.run(serve_until_signal(server, f"{args.host}:{args.port}", http_port=None if args.no_http else args.http_port,
                                        metrics_port=None if args.no_metrics else args.metrics_port))

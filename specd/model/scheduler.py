@@ -99,6 +99,8 @@ class Scheduler:
     def _run(self, batch: list[Job]) -> None:
         live = []
         for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                continue  # its caller left (client cancel): answering would raise InvalidStateError here
             reason = job.abandoned()
             if reason:
                 job.future.set_exception(Abandoned(reason))

@@ -8,9 +8,12 @@ Protocol (per request):
   4. Finish on max_new_tokens, EOS, a stop string, the deadline or a cancel; release both
      sessions whatever happened.
 Speculation off (K = 0) runs step 2 as a plain decode on the target alone: the baseline.
+A draft that is down or slower than its deadline is skipped the same way, step by step (fail
+closed, faults.py); an unavailable target is retried, then the request ends UNAVAILABLE.
 """
 
 import asyncio
+import logging
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -18,9 +21,12 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from specd.contract import SERVICE_SECONDS_KEY
+from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
 from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+log = logging.getLogger("specd.orchestrator")
 
 
 @dataclass
@@ -109,12 +115,15 @@ class Stats:
 class Generation:
     """The orchestrator's state for one request: it alone owns `committed`."""
 
-    def __init__(self, request: GenerationRequest, draft_stub, target_stub, tokenizer: Tokenizer, eos_ids: set[int]):
+    def __init__(self, request: GenerationRequest, draft_stub, target_stub, tokenizer: Tokenizer, eos_ids: set[int],
+                 policy: FaultPolicy = FaultPolicy(), draft_gate: DraftGate | None = None):
         self.request = request
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
         session_id = uuid.uuid4().hex
-        self.draft = RemoteSession(draft_stub, session_id, self.seconds_left)
-        self.target = RemoteSession(target_stub, session_id, self.seconds_left)
+        self.policy = policy
+        self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
+        self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)
+        self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy)
         self.sampling = common_pb2.SamplingParams(
             temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed
         )
@@ -140,7 +149,7 @@ class Generation:
             await self.prefill()
             reason = None
             while reason is None:
-                emitted = await (self.speculative_step() if self.speculating else self.decode_step())
+                emitted = await self.step()
                 reason = self.commit(emitted)
                 text = self.output.add(emitted)
                 if self.output.stopped:
@@ -161,8 +170,37 @@ class Generation:
         return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
 
     async def prefill(self) -> None:
-        sessions = (self.draft, self.target) if self.speculating else (self.target,)
-        await asyncio.gather(*(session.prefill(self.committed[:-1]) for session in sessions))
+        drafting = self.speculating and self.draft_gate.is_open()
+        self.draft.lost = not drafting  # a draft skipped now is prefilled when it is first asked
+        await asyncio.gather(self.target.prefill(self.committed[:-1]), *([self.prefill_draft()] if drafting else []))
+
+    async def prefill_draft(self) -> None:
+        """The draft is optional: if it fails, steps run target-only until it is back (then it is resynced)."""
+        try:
+            await self.draft.prefill(self.committed[:-1])
+        except ServiceFailed as failure:
+            self.draft.lost = True
+            self.draft_gate.failed()
+            log.warning("draft prefill failed, continuing target-only: %s", failure)
+
+    async def step(self) -> list[int]:
+        """One step: speculative, or target-only when speculation is off or the draft is down or slow.
+
+        Fail closed: a draft failure costs this step its guesses, never a token, since the target
+        decides every token either way.
+        """
+        if not (self.speculating and self.draft_gate.is_open()):
+            return await self.decode_step()
+        try:
+            emitted = await self.speculative_step()
+        except ServiceFailed as failure:
+            if failure.service != "draft":
+                raise
+            self.draft_gate.failed()
+            log.warning("draft failed, this step runs target-only: %s", failure)
+            return await self.decode_step()
+        self.draft_gate.succeeded()
+        return emitted
 
     async def speculative_step(self) -> list[int]:
         """Guess -> verify. Returns the emitted tokens (accepted guesses + the target's own)."""
@@ -174,14 +212,14 @@ class Generation:
         started = time.perf_counter()
         proposal, draft_served = await self.draft.call(committed, lambda cursor: served(self.draft.stub.Propose(
             draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=self.sampling),
-            timeout=self.seconds_left())))
+            timeout=self.draft.timeout(self.policy.propose_timeout_s))))
         self.draft.mirror = committed + list(proposal.draft_tokens[:-1])  # the last guess has no KV
         # 2. Verify: the target scores the tail and all K guesses in one pass, keeps the longest
         #    prefix it agrees with and adds one token of its own (recovered or bonus).
         verified = time.perf_counter()
         verdict, verify_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Verify(
             target_pb2.VerifyRequest(cursor=cursor, draft_tokens=proposal.draft_tokens, q=proposal.q,
-                                     sampling=self.sampling), timeout=self.seconds_left())))
+                                     sampling=self.sampling), timeout=self.target.timeout())))
         emitted = list(verdict.emitted_tokens)
         self.target.mirror = committed + emitted[:-1]
         # 3. Rollback needs no message: both services truncate to the agreed prefix on their
@@ -195,7 +233,7 @@ class Generation:
         committed = self.committed
         started = time.perf_counter()
         reply, decode_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Decode(
-            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.seconds_left())))
+            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.target.timeout())))
         self.target.mirror = list(committed)
         self.stats.record_times(0.0, None, time.perf_counter() - started, decode_served)
         self.stats.record_step(0, 0)

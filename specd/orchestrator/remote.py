@@ -9,11 +9,16 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
+from specd.auth import ClientSecurity
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # Reconnect to a restarted service within about a second (gRPC's default backs off to 2 min).
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -32,11 +37,12 @@ class ServicePair:
     tokenizer_config: dict = field(default_factory=dict)  # the target's, with its chat template
 
 
-async def wait_until_serving(address: str, timeout_s: float = 600.0) -> None:
+async def wait_until_serving(address: str, timeout_s: float = 600.0,
+                             security: ClientSecurity = ClientSecurity()) -> None:
     """Poll grpc.health.v1 until SERVING; one actionable error if it never comes."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with security.channel(address) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             try:
@@ -50,10 +56,13 @@ async def wait_until_serving(address: str, timeout_s: float = 600.0) -> None:
     raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last}); is it running?")
 
 
-async def connect_pair(draft_address: str, target_address: str, timeout_s: float = 600.0) -> ServicePair:
-    await asyncio.gather(wait_until_serving(draft_address, timeout_s), wait_until_serving(target_address, timeout_s))
-    draft_channel = grpc.aio.insecure_channel(draft_address, options=CHANNEL_OPTIONS)
-    target_channel = grpc.aio.insecure_channel(target_address, options=CHANNEL_OPTIONS)
+async def connect_pair(draft_address: str, target_address: str, timeout_s: float = 600.0,
+                       security: ClientSecurity = ClientSecurity()) -> ServicePair:
+    """Wait for both services, check they form a pair; `security`: the orchestrator's token and CA."""
+    await asyncio.gather(wait_until_serving(draft_address, timeout_s, security),
+                         wait_until_serving(target_address, timeout_s, security))
+    draft_channel = security.channel(draft_address, CHANNEL_OPTIONS)
+    target_channel = security.channel(target_address, CHANNEL_OPTIONS)
     draft_stub = draft_pb2_grpc.DraftServiceStub(draft_channel)
     target_stub = target_pb2_grpc.TargetServiceStub(target_channel)
     draft_info, target_info, files = await asyncio.gather(

@@ -8,7 +8,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specd.auth import ClientSecurity, ServerSecurity
 from specd.metrics import start_exporter
+from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.generation import Delta, Finished, GenerationRequest
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair, connect_pair
@@ -25,7 +27,8 @@ class BadRequest(Exception):
 
 class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
     def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int,
-                 metrics: OrchestratorMetrics | None = None):
+                 metrics: OrchestratorMetrics | None = None, max_prompt_tokens: int | None = None):
+        self.max_prompt_tokens = max_prompt_tokens  # longest prompt accepted; None = what a session holds
         self.pair = pair
         self.pool = pool
         self.default_draft_tokens = default_draft_tokens
@@ -62,6 +65,9 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
         target = self.pair.target_info
         if max(prompt_ids) >= target.vocab_size:
             raise BadRequest(f"prompt token id {max(prompt_ids)} is outside the vocabulary of {target.vocab_size}")
+        if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+            raise BadRequest(f"the prompt has {len(prompt_ids)} tokens, this server accepts at most "
+                             f"{self.max_prompt_tokens} (--max-prompt-tokens); shorten it")
         if request.max_new_tokens < 1:
             raise BadRequest("max_new_tokens must be at least 1")
         room = min(target.max_session_tokens, self.pair.draft_info.max_session_tokens)
@@ -109,7 +115,13 @@ class OrchestratorServer:
     """The SpecDecode server: connect to the pair, start the Ray workers, serve."""
 
     def __init__(self, draft_address: str, target_address: str, workers: int = 2,
-                 default_draft_tokens: int = DEFAULT_DRAFT_TOKENS):
+                 default_draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: FaultPolicy = FaultPolicy(),
+                 security: ServerSecurity = ServerSecurity(), service_security: ClientSecurity = ClientSecurity(),
+                 max_concurrent_requests: int | None = None, max_prompt_tokens: int | None = None):
+        self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
+        self.security = security  # this server's token and TLS
+        self.service_security = service_security  # the token and CA it uses towards the services
+        self.limits = (max_concurrent_requests, max_prompt_tokens)  # None = unlimited
         self.addresses = (draft_address, target_address)
         self.workers = workers
         self.default_draft_tokens = default_draft_tokens
@@ -122,15 +134,17 @@ class OrchestratorServer:
         self.http = None  # the OpenAI-compatible HTTP API, when started (openai_api.HttpApi)
 
     async def start(self, address: str = "127.0.0.1:0") -> int:
-        pair = await connect_pair(*self.addresses)
-        self.pool = WorkerPool(*self.addresses, workers=self.workers)
+        pair = await connect_pair(*self.addresses, security=self.service_security)
+        self.pool = WorkerPool(*self.addresses, workers=self.workers, policy=self.policy,
+                               security=self.service_security, max_requests=self.limits[0])
         await self.pool.ready()
-        self.server = grpc.aio.server()
-        self.servicer = SpecDecodeServicer(pair, self.pool, self.default_draft_tokens, self.metrics)
+        self.server = grpc.aio.server(interceptors=self.security.interceptors())
+        self.servicer = SpecDecodeServicer(pair, self.pool, self.default_draft_tokens, self.metrics,
+                                           max_prompt_tokens=self.limits[1])
         specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
-        self.port = self.server.add_insecure_port(address)
+        self.port = self.security.bind(self.server, address)
         await self.server.start()
         for name in ("", SERVICE_NAME):
             await self.health.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -140,7 +154,9 @@ class OrchestratorServer:
         """After start(): the OpenAI-compatible HTTP API on the same servicer; returns its port."""
         from specd.orchestrator.openai_api import HttpApi
 
-        self.http = HttpApi(self.servicer)
+        security = self.security
+        self.http = HttpApi(self.servicer, token=security.token,
+                            tls=(security.tls_cert, security.tls_key) if security.tls_cert else None)
         return await self.http.start(host, port)
 
     async def stop(self, grace: float = 5.0) -> None:

@@ -3,7 +3,8 @@
 Each GenerationWorker is an async Ray actor holding its own gRPC channels to the draft and the
 target; it runs many requests concurrently (one Generation each) and streams events back
 through a Ray streaming generator. Ray places and restarts the actors; the pool only picks the
-least busy one.
+least busy one, refuses requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose
+actor died with UNAVAILABLE (the actor restarts and serves the next requests).
 """
 
 import asyncio
@@ -12,7 +13,10 @@ from dataclasses import dataclass
 
 import grpc
 import ray
+from ray.exceptions import RayActorError
 
+from specd.auth import ClientSecurity
+from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import connect_pair
 
@@ -26,8 +30,12 @@ class Failed:
 
 
 class GenerationWorker:
-    def __init__(self, draft_address: str, target_address: str):
+    def __init__(self, draft_address: str, target_address: str, policy: FaultPolicy = FaultPolicy(),
+                 security: ClientSecurity = ClientSecurity()):
         self.addresses = (draft_address, target_address)
+        self.policy = policy
+        self.security = security  # the orchestrator's own token and CA, towards the services
+        self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
         self.pair = None
         self.connecting = asyncio.Lock()
 
@@ -38,17 +46,19 @@ class GenerationWorker:
     async def generate(self, request: GenerationRequest):
         await self._connect()
         generation = Generation(request, self.pair.draft_stub, self.pair.target_stub, self.pair.tokenizer,
-                                set(self.pair.target_info.eos_token_ids))
+                                set(self.pair.target_info.eos_token_ids), self.policy, self.draft_gate)
         try:
             async for event in generation.run():
                 yield event
+        except ServiceFailed as failure:
+            yield Failed(failure.code.name, str(failure))
         except grpc.aio.AioRpcError as error:
             yield Failed(error.code().name, f"{error.details()} (from a model service)")
 
     async def _connect(self) -> None:
         async with self.connecting:
             if self.pair is None:
-                self.pair = await connect_pair(*self.addresses)
+                self.pair = await connect_pair(*self.addresses, security=self.security)
 
 
 RemoteWorker = ray.remote(GenerationWorker)
@@ -57,12 +67,15 @@ RemoteWorker = ray.remote(GenerationWorker)
 class WorkerPool:
     """N Ray actors; each request goes to the one with the fewest requests in flight."""
 
-    def __init__(self, draft_address: str, target_address: str, workers: int = 2, concurrency: int = 64):
+    def __init__(self, draft_address: str, target_address: str, workers: int = 2, concurrency: int = 64,
+                 policy: FaultPolicy = FaultPolicy(), security: ClientSecurity = ClientSecurity(),
+                 max_requests: int | None = None):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
-                draft_address, target_address)
+                draft_address, target_address, policy, security)
             for _ in range(workers)
         ]
+        self.max_requests = max_requests  # requests in flight over all actors; None = no limit
         self.in_flight = [0] * workers
         self._turns = itertools.count()  # rotates which actor wins a tie
 
@@ -70,6 +83,11 @@ class WorkerPool:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
 
     async def generate(self, request: GenerationRequest):
+        if self.max_requests is not None and sum(self.in_flight) >= self.max_requests:
+            yield Failed("RESOURCE_EXHAUSTED", (
+                f"the orchestrator is already running {sum(self.in_flight)} requests, its limit "
+                f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"))
+            return
         count, first = len(self.actors), next(self._turns)
         index = min(((first + i) % count for i in range(count)), key=lambda i: self.in_flight[i])
         self.in_flight[index] += 1
@@ -77,6 +95,10 @@ class WorkerPool:
         try:
             async for ref in stream:
                 yield await ref
+        except RayActorError as error:
+            yield Failed("UNAVAILABLE", (
+                f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
+                f"by itself: retry the request"))
         finally:
             self.in_flight[index] -= 1
             ray.cancel(stream)  # a no-op when it finished; on a client cancel it stops the loop

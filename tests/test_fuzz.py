@@ -1,0 +1,184 @@
+"""Property-based fuzzing of the service messages (hypothesis, 1,000 cases per service).
+
+Each case is one to three calls, well-formed or not: cursors that are right or wrong about what a
+session holds, ids inside and outside the vocabulary, any float32 sampling setting, q rows of
+any shape, raw bytes. Whatever comes in: no INTERNAL or UNKNOWN, the server keeps serving,
+and the live sessions are exactly those a successful Prefill opened and no Release closed.
+"""
+
+import grpc
+import numpy as np
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from specd.contract import fingerprint
+from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+VOCAB = 151_936
+SESSIONS = ["fz-a", "fz-b", "fz-c"]
+BUGS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
+FUZZ = settings(max_examples=1000, deadline=None, database=None, derandomize=True,
+                suppress_health_check=list(HealthCheck))
+
+# About half of each kind of field is well-formed, so many calls get past validation to the model.
+tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8) | st.lists(st.integers(0, 2**32 - 1), max_size=10)
+floats32 = st.floats(width=32)  # NaN and infinities included
+samplings = st.builds(common_pb2.SamplingParams) | st.builds(
+    common_pb2.SamplingParams,
+    temperature=st.floats(0, 4, width=32) | floats32,
+    top_p=st.just(0.0) | st.floats(0, 1, width=32) | floats32,
+    top_k=st.integers(0, 100) | st.integers(0, 2**32 - 1),
+    seed=st.integers(0, 2**64 - 1),
+)
+q_rows = st.lists(st.builds(
+    draft_pb2.SparseDistribution,
+    token_ids=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 20), max_size=6),
+    probs=st.lists(floats32, max_size=6).map(lambda values: np.array(values, dtype="<f4").tobytes()) | st.binary(max_size=24),
+), max_size=5)
+
+
+class Tracker:
+    """What we believe each session holds, so many cursors are right and reach the model."""
+
+    def __init__(self):
+        self.held: dict[str, list[int]] = {}
+
+    def cursor(self, data) -> common_pb2.SessionCursor:
+        session = data.draw(st.sampled_from(SESSIONS * 4 + ["", "x" * 129]) | st.text(max_size=6))
+        # Draws never depend on the state (hypothesis replays them); only their reading does.
+        held = self.held.get(session, [])
+        start = data.draw(st.integers(0, 16) | st.integers(0, 2**32 - 1))
+        if data.draw(st.sampled_from([True, True, True, False])):
+            start = min(start, len(held))  # within what the session holds
+        print_ = data.draw(st.sampled_from([None, None, None, 0]))
+        if print_ is None:
+            print_ = fingerprint(held[:start])  # the right one
+        else:
+            print_ = data.draw(st.integers(0, 2**64 - 1))
+        return common_pb2.SessionCursor(session_id=session, start=start, fingerprint=print_, tokens=data.draw(tokens))
+
+    def answered(self, cursor: common_pb2.SessionCursor, extra: list[int], cached: int) -> None:
+        believed = self.held.get(cursor.session_id, [])[: cursor.start]
+        self.held[cursor.session_id] = (believed + list(cursor.tokens) + extra)[:cached]
+
+
+async def send(stub, method: str, request):
+    """(status code, reply) of one call."""
+    try:
+        reply = await getattr(stub, method)(request, timeout=30)
+        event(f"{method} OK")  # --hypothesis-show-statistics: how many calls reached the model
+        return grpc.StatusCode.OK, reply
+    except grpc.aio.AioRpcError as error:
+        assert error.code() not in BUGS, f"{method}: {error.code().name}: {error.details()}"
+        event(f"{method} {error.code().name}")
+        return error.code(), None
+
+
+async def send_raw(channel, service: str, method: str, payload: bytes):
+    try:
+        await channel.unary_unary(f"/{service}/{method}")(payload, timeout=30)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as error:
+        assert error.code() not in BUGS, f"raw {method}: {error.code().name}: {error.details()}"
+        return error.code()
+
+
+async def one_call(data, stub, channel, service: str, tracker: Tracker, live: set[str], session_methods) -> None:
+    kind = data.draw(st.sampled_from(["Prefill", "Release", "raw", *session_methods * 3]))
+    if kind == "raw":
+        method = data.draw(st.sampled_from(["Prefill", "Release", "Info", *session_methods]))
+        payload = data.draw(st.binary(max_size=48))
+        code = await send_raw(channel, service, method, payload)
+        if code == grpc.StatusCode.OK and method in ("Prefill", "Release"):
+            parsed = (common_pb2.PrefillRequest if method == "Prefill" else common_pb2.ReleaseRequest).FromString(payload)
+            if method == "Prefill":
+                live.add(parsed.cursor.session_id)
+                tracker.held.pop(parsed.cursor.session_id, None)  # unknown contents now: refresh via FAILED_PRECONDITION
+            else:
+                live.discard(parsed.session_id)
+        return
+    if kind == "Release":
+        session = data.draw(st.sampled_from(SESSIONS) | st.text(max_size=4))
+        code, _ = await send(stub, "Release", common_pb2.ReleaseRequest(session_id=session))
+        assert code == grpc.StatusCode.OK  # releasing anything, even unknown, is fine
+        live.discard(session)
+        tracker.held.pop(session, None)
+        return
+    cursor = tracker.cursor(data)
+    if kind == "Prefill":
+        code, reply = await send(stub, "Prefill", common_pb2.PrefillRequest(cursor=cursor))
+        if reply is not None:
+            live.add(cursor.session_id)
+            tracker.answered(cursor, [], reply.cached_tokens)
+    elif kind == "Propose":
+        request = draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=data.draw(st.integers(1, 8) | st.integers(0, 20)),
+                                           sampling=data.draw(samplings))
+        code, reply = await send(stub, "Propose", request)
+        if reply is not None:
+            assert len(reply.draft_tokens) == request.num_draft_tokens
+            assert all(token < VOCAB for token in reply.draft_tokens)
+            tracker.answered(cursor, list(reply.draft_tokens), reply.cached_tokens)
+    else:  # Verify or Decode
+        sampling = data.draw(samplings)
+        if kind == "Verify":
+            drafts = data.draw(tokens)
+            one_hot = [draft_pb2.SparseDistribution(token_ids=[token], probs=np.float32(1).tobytes()) for token in drafts]
+            q = data.draw(st.just(one_hot) | q_rows)  # one-hot rows are valid q for any drafts
+            request = target_pb2.VerifyRequest(cursor=cursor, draft_tokens=drafts, q=q,
+                                               sampling=sampling, return_logprobs=data.draw(st.booleans()))
+        else:
+            request = target_pb2.DecodeRequest(cursor=cursor, sampling=sampling)
+        code, reply = await send(stub, kind, request)
+        if reply is not None:
+            drafts = list(getattr(request, "draft_tokens", []))
+            assert reply.accepted <= len(drafts) and len(reply.emitted_tokens) == reply.accepted + 1
+            assert all(token < VOCAB for token in reply.emitted_tokens)
+            tracker.answered(cursor, drafts[: reply.accepted], reply.cached_tokens)
+
+
+async def check_live(stub, live: set[str]) -> None:
+    info = await stub.Info(common_pb2.InfoRequest())
+    assert info.live_sessions == len(live), (info.live_sessions, live)
+
+
+async def good_call_works(stub) -> None:
+    """A well-formed Prefill + Propose/Decode + Release still answers in the middle of the fuzzing."""
+    committed = [785, 8251, 7640, 389]
+    prefix = common_pb2.SessionCursor(session_id="good", start=0, fingerprint=0, tokens=committed[:3])
+    await stub.Prefill(common_pb2.PrefillRequest(cursor=prefix))
+    cursor = common_pb2.SessionCursor(session_id="good", start=3, fingerprint=fingerprint(committed[:3]),
+                                      tokens=committed[3:])
+    if hasattr(stub, "Propose"):
+        reply = await stub.Propose(draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=3))
+        assert len(reply.draft_tokens) == 3
+    else:
+        reply = await stub.Decode(target_pb2.DecodeRequest(cursor=cursor))
+        assert len(reply.emitted_tokens) == 1
+    await stub.Release(common_pb2.ReleaseRequest(session_id="good"))
+
+
+def fuzz_service(role: str, session_methods: list[str]):
+    service = {"draft": "specd.v1.DraftService", "target": "specd.v1.TargetService"}[role]
+
+    @FUZZ
+    @given(data=st.data())
+    async def test(tiny_services, data):
+        state = tiny_services.__dict__.setdefault("fuzz_state", (Tracker(), set(), []))
+        stub = getattr(tiny_services, role)
+        channel = getattr(tiny_services, f"{role}_channel")
+        for _ in range(data.draw(st.integers(1, 3))):
+            await one_call(data, stub, channel, service, state[0], state[1], session_methods)
+        await check_live(stub, state[1])
+        state[2].append(1)
+        if len(state[2]) % 100 == 0:  # every 100 cases: empty the service, then a good call must work
+            for session in state[1]:
+                await stub.Release(common_pb2.ReleaseRequest(session_id=session))
+            state[1].clear()
+            state[0].held.clear()
+            await good_call_works(stub)
+
+    return test
+
+
+test_fuzz_draft_service = fuzz_service("draft", ["Propose"])
+test_fuzz_target_service = fuzz_service("target", ["Verify", "Decode"])
