@@ -357,3 +357,65 @@ def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
     finally:
         process.terminate()  # `specd up` stops its three processes on SIGTERM
         process.wait(60)
+
+
+async def send_and_leave(port: int, path: str, body: dict, leave_after) -> None:
+    """POST over a raw connection, wait for `leave_after(reader)`, then drop the connection."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    data = json.dumps(body).encode()
+    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    await writer.drain()
+    await leave_after(reader)
+    writer.close()
+    await writer.wait_closed()
+
+
+async def sessions_released(stack, timeout_s: float = 20.0) -> bool:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while asyncio.get_running_loop().time() < deadline:
+        if await stack.live_sessions() == (0, 0):
+            return True
+        await asyncio.sleep(0.2)
+    return False
+
+
+async def test_a_client_that_leaves_cancels_its_request(tiny_http):
+    """Streamed or not, a dropped connection stops generation and frees both services' sessions."""
+    stack, base, model = tiny_http
+    port = int(base.rsplit(":", 1)[1])
+    before = scrape((await http("GET", f"{base}/metrics"))[1])
+    long = {"model": model, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+
+    async def first_chunk(reader):
+        while not (await reader.readline()).startswith(b"data: "):
+            pass
+
+    async def some_work(reader):
+        await asyncio.sleep(1.5)
+        assert await stack.live_sessions() == (1, 1)  # it is generating
+
+    await send_and_leave(port, "/v1/completions", {**long, "stream": True}, first_chunk)
+    assert await sessions_released(stack)
+    await send_and_leave(port, "/v1/completions", long, some_work)
+    assert await sessions_released(stack)
+    after = scrape((await http("GET", f"{base}/metrics"))[1])
+    assert delta(after, before, 'specd_requests_total{api="http",outcome="cancelled"}') == 2
+    assert delta(after, before, "specd_generation_tokens_total") == 0
+
+
+async def test_a_refused_request_gets_its_http_status_streamed_or_not(tiny_http):
+    """RESOURCE_EXHAUSTED from the pool (here: a limit of 0 requests in flight) is HTTP 429."""
+    stack, base, model = tiny_http
+    pool = stack.orchestrator.pool
+    saved, pool.max_requests = pool.max_requests, 0
+    try:
+        for stream in (False, True):
+            status, text = await http("POST", f"{base}/v1/completions",
+                                      {"model": model, "prompt": PROMPT, "max_tokens": 2, "stream": stream})
+            error = json.loads(text)["error"]
+            assert status == 429 and error["code"] == "RESOURCE_EXHAUSTED" and "limit" in error["message"]
+        with pytest.raises(openai.RateLimitError):
+            await client(base).completions.create(model=model, prompt=PROMPT, max_tokens=2)
+    finally:
+        pool.max_requests = saved

@@ -9,7 +9,7 @@ through the same `track`, labelled by `api`.
 """
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -65,7 +65,7 @@ class OrchestratorMetrics:
         """A request refused before it started."""
         self.requests.labels(api, outcome).inc()
 
-    async def track(self, api: str, events: AsyncIterator) -> AsyncIterator:
+    async def track(self, api: str, events: AsyncGenerator) -> AsyncGenerator:
         """Pass a request's events through, recording it."""
         arrived = time.perf_counter()
         first_token = None
@@ -86,6 +86,7 @@ class OrchestratorMetrics:
         finally:
             self.running.dec()
             self.requests.labels(api, outcome).inc()
+            await events.aclose()  # a client that left: stop the generation loop now, not at garbage collection
 
     def _finished(self, event: Finished, e2e: float, after_first_token: float | None) -> None:
         stats = event.stats

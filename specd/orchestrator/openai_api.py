@@ -24,13 +24,14 @@ import socket
 import tempfile
 import time
 import uuid
-from contextlib import nullcontext
+from contextlib import aclosing, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -40,6 +41,7 @@ from specd.v1 import common_pb2, specdecode_pb2
 
 API_LABEL = "http"  # the `api` label of this API's requests in the metrics
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
 # Fields both endpoints take; then each endpoint's own.
 COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
@@ -143,32 +145,11 @@ class OpenAiApi:
             self.completion_prompt(body.get("prompt"), message)
         message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
         message.sampling.CopyFrom(_sampling(body))
-        stop = body.get("stop", [])
-        stop = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-            raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
-        message.stop.extend(stop)
-        extension = _typed(body, "specd", dict, {})
-        for name in extension:
-            if name not in ("draft_tokens", "trace"):
-                raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) "
-                                    f"and `trace`", f"specd.{name}")
-        if "draft_tokens" in extension:
-            k = extension["draft_tokens"]
-            if not _is_int(k) or k < 0:
-                raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}",
-                               "specd.draft_tokens")
+        message.stop.extend(_stop(body))
+        k, trace = _extension(body)
+        if k is not None:
             message.draft_tokens = k
-        stream = _typed(body, "stream", bool, False)
-        options = _typed(body, "stream_options", dict, {})
-        if options and not stream:
-            raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
-        if set(options) - {"include_usage"}:
-            raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
-        trace = extension.get("trace", False)
-        if not isinstance(trace, bool):
-            raise ApiError(400, f"`specd.trace` must be true or false, got {json.dumps(trace)}", "specd.trace")
-        return Call(chat, message, stream, bool(options.get("include_usage", False)), trace)
+        return Call(chat, message, *_streaming(body), trace=trace)
 
     def completion_prompt(self, prompt, message: specdecode_pb2.GenerateRequest) -> None:
         """A string, or token ids; a list of one of those is fine, a batch of several is not."""
@@ -201,7 +182,11 @@ class OpenAiApi:
             plain.append({"role": entry["role"], "content": _text_content(entry.get("content", ""), index)})
         if self.chat_template is None:
             raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
-        text = self.chat_template.render(messages=plain, add_generation_prompt=True, tools=None, **self.special_tokens)
+        try:
+            text = self.chat_template.render(messages=plain, add_generation_prompt=True, tools=None,
+                                             **self.special_tokens)
+        except TemplateError as error:
+            raise ApiError(400, f"the chat template could not render these messages: {error}", "messages") from None
         return self.servicer.pair.tokenizer.encode(text, add_special_tokens=False).ids
 
     def max_tokens(self, body: dict, chat: bool, prompt_tokens: int) -> int:
@@ -228,13 +213,14 @@ class OpenAiApi:
 
     async def complete(self, call: Call) -> dict:
         text, finished = "", None
-        async for event in self.start(call):
-            if isinstance(event, Failed):
-                raise _failed(event)
-            if isinstance(event, Delta):
-                text += event.text
-            else:
-                finished = event
+        async with aclosing(self.start(call)) as events:
+            async for event in events:
+                if isinstance(event, Failed):
+                    raise _failed(event)
+                if isinstance(event, Delta):
+                    text += event.text
+                else:
+                    finished = event
         choice = {"index": 0, "finish_reason": finish_reason(finished.reason), "logprobs": None}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -250,41 +236,35 @@ class OpenAiApi:
         events = self.start(call)
         first = await anext(events)
         if isinstance(first, Failed):
+            await events.aclose()
             raise _failed(first)
         return StreamingResponse(self._sse(call, first, events), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     async def _sse(self, call: Call, first, events):
-        if call.chat:
-            yield _event(self._chunk(call, {"role": "assistant", "content": ""}))
-        event = first
-        while True:
-            if isinstance(event, Failed):
-                yield _event(_failed(event).body())
-                break
-            if isinstance(event, Delta):
-                if event.text:
-                    yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
-            else:
-                last = self._chunk(call, {} if call.chat else "", finish_reason(event.reason))
-                last["specd"] = speculation(event.stats, call.trace)
-                yield _event(last)
-                if call.include_usage:
-                    yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
-                break
-            event = await anext(events, None)
-            if event is None:
-                break
-        yield "data: [DONE]\n\n"
+        """The stream's chunks: (chat: the role,) text deltas, the finish with stats, (usage,) [DONE].
+        A client that leaves cancels the request: closing `events` stops its generation loop."""
+        async with aclosing(events):
+            if call.chat:
+                yield _event(self._chunk(call, {"role": "assistant", "content": ""}))
+            event = first
+            while event is not None:
+                if isinstance(event, Failed):
+                    yield _event(_failed(event).body())
+                elif isinstance(event, Delta):
+                    if event.text:
+                        yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
+                else:
+                    last = self._chunk(call, {} if call.chat else "", finish_reason(event.reason))
+                    last["specd"] = speculation(event.stats, call.trace)
+                    yield _event(last)
+                    if call.include_usage:
+                        yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
+                event = await anext(events, None)
+            yield "data: [DONE]\n\n"
 
     def _chunk(self, call: Call, delta, finish: str | None = None) -> dict:
-        choice = {"index": 0, "finish_reason": finish}
-        if call.chat:
-            choice["delta"] = delta
-            choice["logprobs"] = None
-        else:
-            choice["text"] = delta
-            choice["logprobs"] = None
+        choice = {"index": 0, "finish_reason": finish, "logprobs": None, ("delta" if call.chat else "text"): delta}
         return {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
                 "created": call.created, "model": self.model_name, "choices": [choice]}
 
@@ -299,16 +279,20 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
     app = FastAPI(title="specd", docs_url=None, redoc_url=None, openapi_url=None)
     expected = f"Bearer {token}".encode() if token else None
 
-    @app.middleware("http")
-    async def authorize(request: Request, call_next):
-        if expected and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "").encode()
-            if not hmac.compare_digest(given, expected):
-                reason = "the bearer token is wrong" if given else "no `Authorization: Bearer <token>` header"
-                return ApiError(401, f"{reason}: this server requires a token", code="invalid_api_key").response()
-        return await call_next(request)
+    @app.exception_handler(ApiError)
+    async def refuse(request: Request, error: ApiError):
+        return error.response()
+
+    def authorize(request: Request) -> None:
+        """Each /v1 endpoint checks the token itself: an HTTP middleware would hide a client's
+        disconnect from the endpoint (Starlette's BaseHTTPMiddleware wraps `receive`)."""
+        given = request.headers.get("authorization", "").encode()
+        if expected and not hmac.compare_digest(given, expected):
+            reason = "the bearer token is wrong" if given else "no `Authorization: Bearer <token>` header"
+            raise ApiError(401, f"{reason}: this server requires a token", code="invalid_api_key")
 
     async def generate(request: Request, chat: bool):
+        authorize(request)
         try:
             try:
                 body = await request.json()
@@ -317,11 +301,10 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
             call = api.parse(body, chat)
         except ApiError as error:
             api.servicer.metrics.rejected(API_LABEL, "NOT_FOUND" if error.status == 404 else "INVALID_ARGUMENT")
-            return error.response()
-        try:
-            return await api.stream(call) if call.stream else JSONResponse(await api.complete(call))
-        except ApiError as error:  # refused by prepare() (counted there) or failed before any output
-            return error.response()
+            raise
+        if call.stream:
+            return await api.stream(call)
+        return await _unless_disconnected(request, api.complete(call))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -332,7 +315,8 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
         return await generate(request, chat=True)
 
     @app.get("/v1/models")
-    async def models():
+    async def models(request: Request):
+        authorize(request)
         return api.models()
 
     @app.get("/health")
@@ -346,6 +330,18 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+async def _unless_disconnected(request: Request, completing) -> Response:
+    """Await a non-streamed completion, cancelling it (and its generation loop) if the client leaves."""
+    task = asyncio.ensure_future(completing)
+    while not (await asyncio.wait({task}, timeout=DISCONNECT_POLL_S))[0]:
+        if await request.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            return Response(status_code=499)  # nobody reads it: the client is gone
+    return JSONResponse(task.result())
 
 
 class HttpApi:
@@ -430,6 +426,41 @@ def compile_chat_template(source: str | None):
 
     environment.globals["raise_exception"] = raise_exception
     return environment.from_string(source)
+
+
+def _stop(body: dict) -> list[str]:
+    stop = body.get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
+    return stop
+
+
+def _extension(body: dict) -> tuple[int | None, bool]:
+    """`"specd": {"draft_tokens": K, "trace": bool}` -> (K or None for the server's default, trace)."""
+    extension = _typed(body, "specd", dict, {})
+    for name in extension:
+        if name not in ("draft_tokens", "trace"):
+            raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) "
+                                f"and `trace`", f"specd.{name}")
+    k = extension.get("draft_tokens")
+    if k is not None and (not _is_int(k) or k < 0):
+        raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}", "specd.draft_tokens")
+    trace = extension.get("trace", False)
+    if not isinstance(trace, bool):
+        raise ApiError(400, f"`specd.trace` must be true or false, got {json.dumps(trace)}", "specd.trace")
+    return k, trace
+
+
+def _streaming(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage)."""
+    stream = _typed(body, "stream", bool, False)
+    options = _typed(body, "stream_options", dict, {})
+    if options and not stream:
+        raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
+    return stream, bool(options.get("include_usage", False))
 
 
 def _text_content(content, index: int) -> str:
