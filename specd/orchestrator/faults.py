@@ -70,8 +70,8 @@ class Backoff:
         limit = self.give_up_at - time.monotonic()
         if seconds_left is not None:
             limit = min(limit, seconds_left)
-        if limit <= self.pause:
+        if limit <= 0.01:
             return None
-        pause, self.pause = self.pause, min(1.0, self.pause * 2)
+        pause, self.pause = min(self.pause, limit), min(1.0, self.pause * 2)  # the last try at the window's end
         self.attempts += 1
         return pause

@@ -41,6 +41,7 @@ class GenerationRequest:
     draft_tokens: int = 4  # K; 0 = speculation off
     ignore_eos: bool = False
     deadline: float | None = None  # time.time() by which the request must end
+    session_id: str = ""  # the services' session id (the pool sets it, to release it if a worker dies)
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Generation:
                  policy: FaultPolicy = FaultPolicy(), draft_gate: DraftGate | None = None):
         self.request = request
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
-        session_id = uuid.uuid4().hex
+        session_id = request.session_id or uuid.uuid4().hex
         self.policy = policy
         self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)

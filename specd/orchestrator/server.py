@@ -136,7 +136,7 @@ class OrchestratorServer:
     async def start(self, address: str = "127.0.0.1:0") -> int:
         pair = await connect_pair(*self.addresses, security=self.service_security)
         self.pool = WorkerPool(*self.addresses, workers=self.workers, policy=self.policy,
-                               security=self.service_security, max_requests=self.limits[0])
+                               security=self.service_security, max_requests=self.limits[0], pair=pair)
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())
         self.servicer = SpecDecodeServicer(pair, self.pool, self.default_draft_tokens, self.metrics,

@@ -8,7 +8,9 @@ actor died with UNAVAILABLE (the actor restarts and serves the next requests).
 """
 
 import asyncio
+import dataclasses
 import itertools
+import uuid
 from dataclasses import dataclass
 
 import grpc
@@ -18,7 +20,8 @@ from ray.exceptions import RayActorError
 from specd.auth import ClientSecurity
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
-from specd.orchestrator.remote import connect_pair
+from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.v1 import common_pb2
 
 
 @dataclass
@@ -69,13 +72,14 @@ class WorkerPool:
 
     def __init__(self, draft_address: str, target_address: str, workers: int = 2, concurrency: int = 64,
                  policy: FaultPolicy = FaultPolicy(), security: ClientSecurity = ClientSecurity(),
-                 max_requests: int | None = None):
+                 max_requests: int | None = None, pair: ServicePair | None = None):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
                 draft_address, target_address, policy, security)
             for _ in range(workers)
         ]
         self.max_requests = max_requests  # requests in flight over all actors; None = no limit
+        self.pair = pair  # stubs to release the sessions of a request whose actor died
         self.in_flight = [0] * workers
         self._turns = itertools.count()  # rotates which actor wins a tie
 
@@ -88,6 +92,7 @@ class WorkerPool:
                 f"the orchestrator is already running {sum(self.in_flight)} requests, its limit "
                 f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"))
             return
+        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
         count, first = len(self.actors), next(self._turns)
         index = min(((first + i) % count for i in range(count)), key=lambda i: self.in_flight[i])
         self.in_flight[index] += 1
@@ -96,12 +101,20 @@ class WorkerPool:
             async for ref in stream:
                 yield await ref
         except RayActorError as error:
+            await self._release(request.session_id)
             yield Failed("UNAVAILABLE", (
                 f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
                 f"by itself: retry the request"))
         finally:
             self.in_flight[index] -= 1
             ray.cancel(stream)  # a no-op when it finished; on a client cancel it stops the loop
+
+    async def _release(self, session_id: str) -> None:
+        """Release a dead actor's sessions now rather than at idle eviction."""
+        if self.pair:
+            release = common_pb2.ReleaseRequest(session_id=session_id)
+            await asyncio.gather(self.pair.draft_stub.Release(release, timeout=5.0),
+                                 self.pair.target_stub.Release(release, timeout=5.0), return_exceptions=True)
 
     def shutdown(self) -> None:
         for actor in self.actors:
