@@ -45,14 +45,14 @@ class ClientSecurity:
     tls_ca: bytes | None = None  # PEM of the CA to trust; None = plaintext
 
     def channel(self, address: str, options=()) -> grpc.aio.Channel:
-        interceptors = [_AttachToken(self.token)] if self.token else None
+        interceptors = [_TokenOnUnary(self.token), _TokenOnStream(self.token)] if self.token else None
         if self.tls_ca:
             credentials = grpc.ssl_channel_credentials(root_certificates=self.tls_ca)
             return grpc.aio.secure_channel(address, credentials, options=list(options), interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=list(options), interceptors=interceptors)
 
 
-class _AttachToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamClientInterceptor):
+class _AttachToken:
     def __init__(self, token: str):
         self.header = ("authorization", f"Bearer {token}")
 
@@ -61,9 +61,14 @@ class _AttachToken(grpc.aio.UnaryUnaryClientInterceptor, grpc.aio.UnaryStreamCli
         return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
                                           details.wait_for_ready)
 
+
+# One class per call shape: grpc.aio files an interceptor under the first shape it subclasses.
+class _TokenOnUnary(_AttachToken, grpc.aio.UnaryUnaryClientInterceptor):
     async def intercept_unary_unary(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
+
+class _TokenOnStream(_AttachToken, grpc.aio.UnaryStreamClientInterceptor):
     async def intercept_unary_stream(self, continuation, details, request):
         return await continuation(self._with_token(details), request)
 
