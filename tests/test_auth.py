@@ -109,7 +109,7 @@ async def test_health_stays_open_without_a_token_but_not_without_tls(secured, ce
 
 
 async def test_specd_generate_sends_the_token_and_trusts_the_ca(secured, certificate):
-    """The CLI client, with --token, and with SPECD_TOKEN; a wrong token is a clear error."""
+    """The CLI client with SPECD_TOKEN, and --token over it; a wrong token is a clear error."""
     base = [sys.executable, "-m", "specd", "generate", "def f(x):", "--server", secured["orchestrator"], "--json",
             "--no-baseline", "--max-new-tokens", "4", "--tls-ca", str(certificate["cert"])]
 
@@ -121,12 +121,10 @@ async def test_specd_generate_sends_the_token_and_trusts_the_ca(secured, certifi
         out, err = await asyncio.wait_for(process.communicate(), 300)
         return process.returncode, out.decode(), err.decode()
 
-    code, out, err = await run("--token", TOKEN)
-    assert code == 0, err[-2000:]
-    assert json.loads(out)["usage"]["completion_tokens"] == 4
     code, out, err = await run(env_token=TOKEN)
     assert code == 0, err[-2000:]
-    code, out, err = await run("--token", "wrong")
+    assert json.loads(out)["usage"]["completion_tokens"] == 4
+    code, out, err = await run("--token", "wrong", env_token=TOKEN)  # the flag wins over SPECD_TOKEN
     assert code == 2 and "UNAUTHENTICATED" in err and "Traceback" not in err
 
 
