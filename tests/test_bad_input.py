@@ -95,7 +95,7 @@ CASES = [
     Case("Propose wrong fingerprint", "draft", "Propose",
          draft_pb2.ProposeRequest(cursor=cursor(fingerprint=12345), num_draft_tokens=2), Code.FAILED_PRECONDITION,
          "fingerprint of the first 7 tokens differs; the session holds 7 tokens"),
-    Case("Propose start past the cache", "draft", "Propose",
+    Case("Propose with nothing after start", "draft", "Propose",
          draft_pb2.ProposeRequest(cursor=cursor(start=len(PROMPT)), num_draft_tokens=2), Code.INVALID_ARGUMENT,
          "at least the last committed token"),
     Case("Propose start beyond what is held", "draft", "Propose",
