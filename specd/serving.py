@@ -57,7 +57,7 @@ class ModelThread:
     async def load(self, load_engine: Callable[[], Engine]) -> Engine:
         self.engine = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_engine()])))
         limits = self.engine.limits
-        self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens)
+        self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens, limits.batch_wait_ms / 1000)
         return self.engine
 
     async def run(self, method: Callable, *args):

@@ -202,3 +202,23 @@ async def test_a_long_request_finishes_under_a_steady_stream_of_short_ones(tiny_
 
 def proto_cursor(session_id: str, start: int, held: list[int], tokens: list[int]) -> common_pb2.SessionCursor:
     return common_pb2.SessionCursor(session_id=session_id, start=start, fingerprint=fingerprint(held), tokens=tokens)
+
+
+async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
+    """Without the short wait for returning sessions, two streams alternate and never share a pass."""
+    services = await start_services(tiny_loaded["draft"], tiny_loaded["target"])
+    try:
+        async def decode(session_id: str, prompt: list[int], steps: int) -> list[int]:
+            await services.target.Prefill(common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1])))
+            committed = list(prompt)
+            for _ in range(steps):
+                cursor = proto_cursor(session_id, len(committed) - 1, committed[:-1], committed[-1:])
+                committed += list((await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))).emitted_tokens)
+            return committed
+
+        together = await asyncio.gather(decode("one", PROMPTS[1], 30), decode("two", PROMPTS[3], 30))
+        info = await services.target.Info(common_pb2.InfoRequest())
+        assert info.batch_sizes[2] >= 20, dict(info.batch_sizes)
+        assert together == [await decode("one-alone", PROMPTS[1], 30), await decode("two-alone", PROMPTS[3], 30)]
+    finally:
+        await services.close()

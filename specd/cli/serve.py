@@ -59,6 +59,7 @@ def _add_limit_flags(parser) -> None:
     parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds before an untouched session is evicted")
     parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most concurrent calls sharing one forward pass (1: no batching)")
     parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="most new tokens in one batched pass")
+    parser.add_argument("--batch-wait-ms", type=float, default=defaults.batch_wait_ms, help="how long a pass may wait for the streams the last pass served to send their next call")
 
 
 def _add_orchestrator_limit_flags(parser) -> None:
@@ -91,6 +92,7 @@ def limits_from_args(args) -> Limits:
         idle_timeout_s=args.idle_timeout,
         max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens,
+        batch_wait_ms=args.batch_wait_ms,
     )
 
 

@@ -4,11 +4,13 @@ All model work runs on one thread (torch must not block the event loop, and a se
 never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
 the oldest call and, if that call batches, every later waiting call of the same kind that
 fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
-was waiting at that moment. The oldest call always runs next, so nothing starves: a call
+was waiting at that moment; before it starts, it gives the sessions the last pass served a
+few milliseconds to come back, so streams that alternate fall into step and share passes. The oldest call always runs next, so nothing starves: a call
 waits at most for the passes of the calls that were queued before it.
 """
 
 import threading
+import time
 from collections import Counter, deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,6 +36,7 @@ class Job:
 class Bounds:
     max_batch_size: int = 16  # calls in one pass
     max_batch_tokens: int = 256  # new tokens in one pass (the oldest call runs even if larger)
+    batch_wait_s: float = 0.01  # how long a pass may wait for the sessions the last one served
 
 
 class Scheduler:
@@ -43,6 +46,7 @@ class Scheduler:
         self.ready = threading.Condition()
         self.closed = False
         self.batch_sizes: Counter[int] = Counter()  # calls per batched pass -> passes run
+        self.served_last: set[str] = set()  # sessions of the last batched pass: likely back soon
         self.thread = threading.Thread(target=self._serve, name="model", daemon=True)
         self.thread.start()
 
@@ -74,10 +78,26 @@ class Scheduler:
             with self.ready:
                 while not self.queue and not self.closed:
                     self.ready.wait()
+                self._wait_for_returning_sessions()
                 if self.closed:
                     return
                 batch = self._take_batch()
             self._run(batch)
+            self.served_last = {job.session_id for job in batch if job.kind is not None}
+
+    def _wait_for_returning_sessions(self) -> None:
+        """Give the sessions the last pass served a moment to send their next call (under the lock).
+
+        Their callers answer within milliseconds; without this wait two streams fall into
+        step, each arriving while the other's pass runs, and never share a pass.
+        """
+        deadline = time.monotonic() + self.bounds.batch_wait_s
+        while not self.closed and self.queue[0].kind is not None and len(self.queue) < self.bounds.max_batch_size:
+            queued = {job.session_id for job in self.queue}
+            left = deadline - time.monotonic()
+            if self.served_last <= queued or left <= 0:
+                return
+            self.ready.wait(left)
 
     def _take_batch(self) -> list[Job]:
         """The oldest job, plus the later ones that can share its pass (called under the lock)."""

@@ -26,6 +26,7 @@ class Limits:
     idle_timeout_s: float = 300.0  # sessions untouched this long are evicted
     max_batch_size: int = 16  # calls sharing one forward pass
     max_batch_tokens: int = 256  # new tokens in one batched pass
+    batch_wait_ms: float = 10.0  # how long a pass may wait for the sessions the last one served
 
 
 @dataclass(frozen=True)
