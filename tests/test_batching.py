@@ -222,3 +222,28 @@ async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
         assert together == [await decode("one-alone", PROMPTS[1], 30), await decode("two-alone", PROMPTS[3], 30)]
     finally:
         await services.close()
+
+
+def test_a_cancelled_call_neither_runs_nor_breaks_the_thread():
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler()
+    scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    cancelled = scheduler.submit(Job(run_recording(passes), 1, kind="verify", session_id="a"))
+    kept = scheduler.submit(Job(run_recording(passes), 2, kind="verify", session_id="b"))
+    assert cancelled.cancel()
+    gate.set()
+    assert kept.result(5) == 20 and passes == [[0], [2]]
+    gate = threading.Event()
+    scheduler.submit(Job(run_recording(passes, gate), 3))  # holds the thread while it closes
+    time.sleep(0.05)
+    gone, waiting = scheduler.submit(Job(run_recording(passes), 4)), scheduler.submit(Job(run_recording(passes), 5))
+    gone.cancel()
+    closing = threading.Thread(target=scheduler.close)
+    closing.start()
+    gate.set()
+    closing.join(5)
+    assert not closing.is_alive() and not scheduler.thread.is_alive()
+    with pytest.raises(RuntimeError, match="shut down"):
+        waiting.result(1)
+    assert passes == [[0], [2], [3]]

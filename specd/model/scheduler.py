@@ -69,7 +69,8 @@ class Scheduler:
             left, self.queue = list(self.queue), deque()
             self.ready.notify()
         for job in left:
-            job.future.set_exception(RuntimeError("the model thread shut down before the call ran"))
+            if job.future.set_running_or_notify_cancel():  # a cancelled one has no caller to tell
+                job.future.set_exception(RuntimeError("the model thread shut down before the call ran"))
         if threading.current_thread() is not self.thread:
             self.thread.join()
 
