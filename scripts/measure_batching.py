@@ -1,6 +1,6 @@
 """Cost of one batched pass on the real pair, by batch size: where the time goes with B streams.
 
-    .venv/bin/python scripts/measure_batching.py [--batch 1,2,4,8] [--k 4] [--context 200] [--dtype bfloat16]
+    .venv/bin/python scripts/measure_batching.py [--batch 1,2,4,8] [--k 4] [--context 30] [--dtype bfloat16]
 
 In process, no gRPC: B sessions with `context` cached tokens each; median time of one
 Propose(K) batch on the draft, one Verify(K) batch and one Decode batch on the target.
@@ -24,7 +24,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", default="1,2,4,8")
     parser.add_argument("--k", type=int, default=4)
-    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--context", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
