@@ -14,14 +14,13 @@ target's plain greedy output (greedy_match).
 
 import argparse
 import asyncio
-import json
 import time
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specd.cli.common import UserError, add_model_flags
+from specd.cli.common import UserError, add_model_flags, write_report
 
 
 def add_parser(verbs) -> None:
@@ -73,12 +72,7 @@ def run(args: argparse.Namespace) -> int:
     for table in bench.summary_tables(report):
         console.print(table)
     console.print(f"wall time {report['settings']['wall_seconds']:.0f} s (model loading included)")
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"report written to {args.json}")
-    if args.plot:
-        bench.save_plot(report, args.plot)
-        console.print(f"plot written to {args.plot}")
+    write_report(console, report, args.json, args.plot, bench.save_plot)
     return 0
 
 

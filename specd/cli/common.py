@@ -1,6 +1,7 @@
 """Flags and errors shared by the subcommands."""
 
 import argparse
+import json
 
 
 class UserError(Exception):
@@ -14,3 +15,13 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         help="weights and compute dtype (default: bfloat16 where the CPU supports it, else float32)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+
+
+def write_report(console, report: dict, json_path, plot_path, save_plot) -> None:
+    """The --json and --plot outputs of bench and loadtest."""
+    if json_path:
+        json_path.write_text(json.dumps(report, indent=2) + "\n")
+        console.print(f"report written to {json_path}")
+    if plot_path:
+        save_plot(report, plot_path)
+        console.print(f"plot written to {plot_path}")

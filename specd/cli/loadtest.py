@@ -6,13 +6,12 @@ runs compare like for like; --respect-eos lets them stop at end-of-sequence inst
 
 import argparse
 import asyncio
-import json
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specd.cli.common import UserError
+from specd.cli.common import UserError, write_report
 
 
 def add_parser(verbs) -> None:
@@ -50,12 +49,7 @@ def run(args: argparse.Namespace) -> int:
             settings, args.requests, concurrency=[] if args.rate else args.concurrency, rates=args.rate or [],
             progress=_progress_hook(progress), prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS)))
     console.print(loadtest.summary_table(report))
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
-        console.print(f"report written to {args.json}")
-    if args.plot:
-        loadtest.save_plot(report, args.plot)
-        console.print(f"plot written to {args.plot}")
+    write_report(console, report, args.json, args.plot, loadtest.save_plot)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
 
 

@@ -32,57 +32,22 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specd.orchestrator.generation import Delta, Finished, Stats
+from specd.orchestrator.openai_request import (
+    CHAT_FIELDS, COMPLETION_FIELDS, UNSUPPORTED, ApiError, compile_chat_template, extension, is_int, sampling_params,
+    stop_strings, streaming, text_content, token_text, typed_field,
+)
 from specd.orchestrator.worker import Failed
-from specd.v1 import common_pb2, specdecode_pb2
+from specd.v1 import specdecode_pb2
 
 API_LABEL = "http"  # the `api` label of this API's requests in the metrics
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
-# Fields both endpoints take; then each endpoint's own.
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-                 "user", "ignore_eos", "specd"}
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
-
-# OpenAI fields specd does not implement: accepted only at their default value.
-UNSUPPORTED = {
-    "n": ((1,), "specd returns one choice per request; send n requests instead"),
-    "best_of": ((1,), "specd returns one choice per request"),
-    "echo": ((False,), "the prompt is not echoed back"),
-    "suffix": (("",), "insertion (suffix) is not supported"),
-    "logprobs": ((False, 0), "log probabilities are not returned"),
-    "top_logprobs": ((0,), "log probabilities are not returned"),
-    "presence_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
-    "frequency_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
-    "logit_bias": (({},), "logit_bias would change the target's distribution, which speculation keeps exact"),
-    "tools": (([],), "tool calling is not supported"),
-    "tool_choice": (("none",), "tool calling is not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), "structured output (response_format) is not supported"),
-}
 STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
                   "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
-
-
-class ApiError(Exception):
-    """An OpenAI-style error: HTTP status, message, the offending field."""
-
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-
-    def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
 
 
 @dataclass
@@ -109,7 +74,7 @@ class OpenAiApi:
         self.model_name = model_name or served_model_name(servicer.pair.target_info.model)
         config = servicer.pair.tokenizer_config
         self.chat_template = compile_chat_template(config.get("chat_template"))
-        self.special_tokens = {name: _token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        self.special_tokens = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token")}
         self.draining = False
 
     @property
@@ -138,18 +103,18 @@ class OpenAiApi:
         if model != self.model_name:
             raise ApiError(404, f"the model `{model}` does not exist here; this server serves `{self.model_name}` "
                                 f"(GET /v1/models)", "model", "model_not_found")
-        message = specdecode_pb2.GenerateRequest(ignore_eos=_typed(body, "ignore_eos", bool, False))
+        message = specdecode_pb2.GenerateRequest(ignore_eos=typed_field(body, "ignore_eos", bool, False))
         if chat:
             message.prompt_token_ids.extend(self.chat_prompt(body.get("messages")))
         else:
             self.completion_prompt(body.get("prompt"), message)
         message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
-        message.sampling.CopyFrom(_sampling(body))
-        message.stop.extend(_stop(body))
-        k, trace = _extension(body)
+        message.sampling.CopyFrom(sampling_params(body))
+        message.stop.extend(stop_strings(body))
+        k, trace = extension(body)
         if k is not None:
             message.draft_tokens = k
-        return Call(chat, message, *_streaming(body), trace=trace)
+        return Call(chat, message, *streaming(body), trace=trace)
 
     def completion_prompt(self, prompt, message: specdecode_pb2.GenerateRequest) -> None:
         """A string, or token ids; a list of one of those is fine, a batch of several is not."""
@@ -157,7 +122,7 @@ class OpenAiApi:
             prompt = prompt[0]
         if isinstance(prompt, str):
             message.prompt = prompt  # tokenized by prepare(), as a gRPC prompt is
-        elif isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             message.prompt_token_ids.extend(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise ApiError(400, "several prompts in one request are not supported: send one request per prompt",
@@ -179,7 +144,7 @@ class OpenAiApi:
                 if name not in ("role", "content", "name"):
                     raise ApiError(400, f"messages[{index}].{name} is not supported (no tool calls)",
                                    f"messages[{index}].{name}")
-            plain.append({"role": entry["role"], "content": _text_content(entry.get("content", ""), index)})
+            plain.append({"role": entry["role"], "content": text_content(entry.get("content", ""), index)})
         if self.chat_template is None:
             raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
         try:
@@ -194,7 +159,7 @@ class OpenAiApi:
         if name not in body:  # OpenAI: 16 for completions; for chat, as many as fit
             return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.room - prompt_tokens)
         value = body[name]
-        if not _is_int(value) or value < 1:
+        if not is_int(value) or value < 1:
             raise ApiError(400, f"`{name}` must be an integer >= 1, got {json.dumps(value)}", name)
         return value
 
@@ -409,107 +374,6 @@ def served_model_name(name: str) -> str:
 
     spec = find_spec(name)
     return spec.name if spec else name
-
-
-def compile_chat_template(source: str | None):
-    """Compile a Hugging Face chat template the way transformers does (sandboxed Jinja)."""
-    if isinstance(source, list):  # older configs: [{"name": "default", "template": ...}, ...]
-        source = next((entry.get("template") for entry in source if entry.get("name") == "default"), None)
-    if not source:
-        return None
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
-    environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
-
-    def raise_exception(message):
-        raise ApiError(400, f"the chat template refused the messages: {message}", "messages")
-
-    environment.globals["raise_exception"] = raise_exception
-    return environment.from_string(source)
-
-
-def _stop(body: dict) -> list[str]:
-    stop = body.get("stop", [])
-    stop = [stop] if isinstance(stop, str) else stop
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(400, "`stop` must be a non-empty string or a list of them", "stop")
-    return stop
-
-
-def _extension(body: dict) -> tuple[int | None, bool]:
-    """`"specd": {"draft_tokens": K, "trace": bool}` -> (K or None for the server's default, trace)."""
-    extension = _typed(body, "specd", dict, {})
-    for name in extension:
-        if name not in ("draft_tokens", "trace"):
-            raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) "
-                                f"and `trace`", f"specd.{name}")
-    k = extension.get("draft_tokens")
-    if k is not None and (not _is_int(k) or k < 0):
-        raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}", "specd.draft_tokens")
-    trace = extension.get("trace", False)
-    if not isinstance(trace, bool):
-        raise ApiError(400, f"`specd.trace` must be true or false, got {json.dumps(trace)}", "specd.trace")
-    return k, trace
-
-
-def _streaming(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage)."""
-    stream = _typed(body, "stream", bool, False)
-    options = _typed(body, "stream_options", dict, {})
-    if options and not stream:
-        raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
-    if set(options) - {"include_usage"}:
-        raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
-    return stream, bool(options.get("include_usage", False))
-
-
-def _text_content(content, index: int) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
-        return "".join(part["text"] for part in content)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts (no images or audio)",
-                   f"messages[{index}].content")
-
-
-def _token_text(token) -> str:
-    """A special token as tokenizer_config.json spells it: a string or {"content": ...}."""
-    return token.get("content", "") if isinstance(token, dict) else token or ""
-
-
-def _sampling(body: dict) -> common_pb2.SamplingParams:
-    temperature = _number(body, "temperature", 1.0)
-    if temperature < 0:
-        raise ApiError(400, f"`temperature` must be >= 0, got {temperature}", "temperature")
-    top_p = _number(body, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise ApiError(400, f"`top_p` must be in (0, 1], got {top_p}", "top_p")
-    top_k = body.get("top_k", 0)
-    if not _is_int(top_k) or top_k < -1:
-        raise ApiError(400, f"`top_k` must be an integer >= 0 (0 or -1: off), got {json.dumps(top_k)}", "top_k")
-    seed = body.get("seed", 0)
-    if not _is_int(seed) or not 0 <= seed < 2**64:
-        raise ApiError(400, f"`seed` must be an integer in [0, 2^64), got {json.dumps(seed)}", "seed")
-    return common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed)
-
-
-def _number(body: dict, name: str, default: float) -> float:
-    value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise ApiError(400, f"`{name}` must be a finite number, got {json.dumps(value)}", name)
-    return float(value)
-
-
-def _typed(body: dict, name: str, kind: type, default):
-    value = body.get(name, default)
-    if not isinstance(value, kind):
-        raise ApiError(400, f"`{name}` must be a {kind.__name__}, got {json.dumps(value)}", name)
-    return value
-
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def finish_reason(reason: str) -> str:
