@@ -87,22 +87,20 @@ def _status_name(context) -> str:
 
 
 class _ModelThreadCollector:
-    """Reads the model thread when scraped. `thread.stats` (batch_sizes: Counter of batch size ->
-    passes run, queue_depth: int) comes with the batching scheduler; without it both read 0."""
+    """Reads the model thread (its sessions, and its scheduler's queue and batch sizes) when scraped."""
 
     def __init__(self, thread):
         self.thread = thread
 
     def collect(self):
-        store = getattr(getattr(self.thread, "engine", None), "store", None)
-        stats = getattr(self.thread, "stats", None)
+        store = self.thread.engine.store if self.thread.engine else None  # None while the model loads
+        scheduler = self.thread.scheduler
         yield GaugeMetricFamily("specd_sessions_open", "Sessions this service holds a KV cache for",
-                                value=len(getattr(store, "sessions", ())))
+                                value=len(store.sessions) if store else 0)
         yield GaugeMetricFamily("specd_cached_tokens", "Tokens in KV caches over all sessions",
-                                value=getattr(store, "cached_tokens", 0))
-        yield GaugeMetricFamily("specd_queue_depth", "Calls waiting for the model thread",
-                                value=getattr(stats, "queue_depth", 0))
-        yield _batch_histogram(_snapshot(getattr(stats, "batch_sizes", {})))
+                                value=store.cached_tokens if store else 0)
+        yield GaugeMetricFamily("specd_queue_depth", "Calls waiting for the model thread", value=scheduler.queue_depth)
+        yield _batch_histogram(_snapshot(scheduler.batch_sizes))
 
 
 def _snapshot(counts: Mapping) -> dict:

@@ -49,11 +49,6 @@ class ModelThread:
         self.engine: Engine | None = None
         self.draining = False
 
-    @property
-    def stats(self) -> Scheduler:
-        """batch_sizes (calls per batched pass -> passes) and queue_depth."""
-        return self.scheduler
-
     async def load(self, load_engine: Callable[[], Engine]) -> Engine:
         self.engine = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_engine()])))
         limits = self.engine.limits
