@@ -9,7 +9,8 @@ requests ask for `ignore_eos`):
                  assistant schedule (its defaults), in this process;
 - `specd_target` specd with speculation off (K = 0) through the gRPC services and the Ray
                  orchestrator (a LocalStack: three processes, or --server);
-- `specd_spec`   specd speculative, K = draft_tokens.
+- `specd_spec`   specd speculative: K chosen every step (adaptive, the default), or a fixed
+                 K = draft_tokens; its draft as the service loads it (int4 on a CPU by default).
 
 Runs are interleaved per prompt (A B C D, A B C D, ...) so slow drift of the machine falls
 on all four alike, and each system is warmed up once on a short prompt before timing.
@@ -22,7 +23,9 @@ Figures (DESIGN.md §2 words): tokens/s = total tokens / total seconds over the 
 stats; c = median over prompts of specd_spec's draft seconds per drafted token / median of
 specd_target's seconds per decode step (both include their gRPC round trip); the analytic
 best speed-up = max over K = 1..8 of (1 - α^(K+1)) / ((1 - α)(K·c + 1)); greedy_match =
-both specd outputs equal hf_target's token ids on every prompt.
+both specd outputs equal hf_target's token ids on every prompt. Per prompt the report also has
+the K of every step (adaptive K over time; 0 = target-only), α and c, and the per-prompt
+ratios whose medians are `median_ratios`.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ QUICK_TOKENS = 32
 DEFAULT_TOKENS = 64
 WARMUP_PROMPT = "def add(a, b):\n"
 ANALYTIC_MAX_K = 8
+PROMPT_RATIOS = ("specd_spec/hf_assisted", "specd_spec/specd_target", "specd_spec/hf_target", "hf_assisted/hf_target")
 
 # called after each timed run with a label such as "prompt 3/24 specd_spec"
 Advance = Callable[[str], None]
@@ -54,7 +58,8 @@ class BenchSettings:
     prompts: list[str]
     kinds: list[str] = field(default_factory=list)  # one per prompt ("" when unknown)
     max_new_tokens: int = DEFAULT_TOKENS
-    draft_tokens: int = 4
+    draft_tokens: int | None = None  # None: adaptive (the orchestrator chooses K every step)
+    draft_quantize: str | None = None  # the draft service's --quantize (None: its default)
     dtype: str | None = None  # None: load_model's default for this machine
     threads: int | None = None
     draft_model: str = "draft"
@@ -93,9 +98,10 @@ def load_prompts(path: Path | str) -> tuple[list[str], list[str]]:
 
 
 def expected_speedup(alpha: float, c: float, k: int) -> float:
-    """(1 - α^(K+1)) / ((1 - α)(K·c + 1)); at α = 1 the tokens per step are K + 1."""
-    tokens_per_step = k + 1 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
-    return tokens_per_step / (k * c + 1)
+    """(1 - α^(K+1)) / ((1 - α)(K·c + 1)): the textbook speed-up, verifying K + 1 tokens at the price of one."""
+    from specd.orchestrator.adaptive import expected_tokens
+
+    return expected_tokens(alpha, k) / (k * c + 1)
 
 
 def analytic_best(alpha: float | None, c: float | None, max_k: int = ANALYTIC_MAX_K) -> tuple[float | None, int | None]:
@@ -186,7 +192,7 @@ class SpecdSystems:
     def __init__(self, stub, timeout: float):
         self.stub, self.timeout = stub, timeout
 
-    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int) -> Run:
+    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None) -> Run:
         from google.protobuf.json_format import MessageToDict
 
         from specd.client import complete
@@ -194,7 +200,7 @@ class SpecdSystems:
 
         request = specdecode_pb2.GenerateRequest(
             prompt_token_ids=prompt_ids, max_new_tokens=max_new_tokens, draft_tokens=draft_tokens,
-            ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0.0))
+            ignore_eos=True, sampling=common_pb2.SamplingParams(temperature=0.0))  # None: unset, the server's K
         completion = await complete(self.stub, request, timeout=self.timeout)
         seconds = time.perf_counter() - completion.started
         if completion.final is None:
@@ -225,7 +231,8 @@ async def run_bench(settings: BenchSettings, advance: Advance | None = None, say
             from specd.deploy.local import LocalStack, StackConfig
 
             stack = LocalStack(StackConfig(dtype=dtype, threads=settings.threads, draft_model=settings.draft_model,
-                                           target_model=settings.target_model, workers=1), say=say)
+                                           target_model=settings.target_model, workers=1,
+                                           draft_quantize=settings.draft_quantize), say=say)
             await stack.start()
             address = stack.address
         if models is None:
@@ -312,15 +319,21 @@ def build_report(settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids
     c = _ratio(median_draft, median_target)
     best, best_k = analytic_best(alpha, c)
     per_prompt = [_prompt_entry(i, settings, runs, prompt_ids[i]) for i in range(len(settings.prompts))]
+    lengths = [k for s in spec_stats for k in s.get("draft_lengths", [])]
     return {
         "results": results,
         "ratios": ratios,
+        "median_ratios": {name: _median([r for entry in per_prompt if (r := entry["ratios"][name]) is not None])
+                          for name in PROMPT_RATIOS},
+        "speedup_of_analytic_best": _ratio(ratios["specd_spec/specd_target"], best),
+        "speculation_off_share": lengths.count(0) / len(lengths) if lengths else None,
         "alpha": alpha,
         "c": c,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
         "analytic_speedup": best,
         "analytic_best_k": best_k,
-        "analytic_speedup_at_k": expected_speedup(alpha, c, settings.draft_tokens) if alpha is not None and c is not None else None,
+        "analytic_speedup_at_k": (expected_speedup(alpha, c, settings.draft_tokens)
+                                  if None not in (alpha, c, settings.draft_tokens) else None),
         "median_draft_seconds_per_token": median_draft,
         "median_target_step_seconds": median_target,
         "acceptance_by_position": _acceptance_by_position(spec_stats),
@@ -356,8 +369,12 @@ def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]
         "matches_hf_target": {s: runs[s][index].token_ids == reference for s in SYSTEMS if s != "hf_target"},
         "first_difference": {s: first_difference(runs[s][index].token_ids, reference)
                              for s in SYSTEMS if s != "hf_target"},
+        "ratios": {name: _ratio(*(runs[s][index].tokens / runs[s][index].seconds for s in name.split("/")))
+                   for name in PROMPT_RATIOS},
         "alpha": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
+        "c": _ratio(_ratio(spec["draft_seconds"], spec["drafted"]), _ratio(off["verify_seconds"], off["steps"])),
         "mean_accepted_length": 1 + spec["accepted"] / spec["steps"] if spec["steps"] else None,
+        "draft_lengths": spec.get("draft_lengths", []),  # K of each step: adaptive K over time (0: target-only)
         "specd_spec_stats": {key: spec[key] for key in ("steps", "drafted", "accepted", "accepted_per_position",
                                                          "draft_seconds", "verify_seconds", "other_seconds")},
         "specd_target_stats": {key: off[key] for key in ("steps", "verify_seconds", "other_seconds")},
@@ -367,14 +384,12 @@ def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]
 
 
 def _acceptance_by_position(stats: list[dict]) -> list[float]:
-    """For draft position i: steps whose guess i was accepted / steps that drafted position i."""
-    width = max((len(s["accepted_per_position"]) for s in stats), default=0)
-    rates = []
-    for position in range(width):
-        drafting = [s for s in stats if len(s["accepted_per_position"]) > position]
-        steps = sum(s["steps"] for s in drafting)
-        rates.append(sum(s["accepted_per_position"][position] for s in drafting) / steps if steps else 0.0)
-    return rates
+    """For draft position i: steps whose guess i was accepted / steps that drafted a guess i."""
+    from types import SimpleNamespace
+
+    from specd.loadtest import acceptance_by_position
+
+    return acceptance_by_position([SimpleNamespace(**s) for s in stats])
 
 
 def _load_average() -> list[float] | None:
@@ -418,8 +433,12 @@ def summary_tables(report: dict) -> list:
 
     figures = Table(title="speculation", show_header=False)
     k = report["settings"]["draft_tokens"]
+    k = "auto" if k is None else k
+    medians = report["median_ratios"]
+    off = report["speculation_off_share"]
     rows = [
         ("specd_spec / hf_assisted", _times(ratios["specd_spec/hf_assisted"])),
+        ("  median over prompts", _times(medians["specd_spec/hf_assisted"])),
         ("specd_spec / hf_target", _times(ratios["specd_spec/hf_target"])),
         ("specd_spec / specd_target", _times(ratios["specd_spec/specd_target"])),
         ("hf_assisted / hf_target", _times(ratios["hf_assisted/hf_target"])),
@@ -432,6 +451,8 @@ def summary_tables(report: dict) -> list:
         (f"analytic speed-up at K = {k}", _times(report["analytic_speedup_at_k"])),
         ("analytic best speed-up (K = 1..8)",
          f"{_times(report['analytic_speedup'])} at K = {report['analytic_best_k']}" if report["analytic_best_k"] else "-"),
+        ("specd_spec / specd_target, of the analytic best", _num(report["speedup_of_analytic_best"], 2)),
+        ("steps target-only (K chosen 0)", "-" if off is None else f"{off:.0%}"),
         ("greedy_match (specd == hf_target)", "yes" if report["greedy_match"] else "NO"),
         ("hf_assisted == hf_target", "yes" if report["hf_assisted_match"] else "no"),
     ]
@@ -439,7 +460,7 @@ def summary_tables(report: dict) -> list:
         figures.add_row(name, value)
 
     prompts = Table(title="per prompt (tokens/s)")
-    for name in ("#", "kind", "prompt", *SYSTEMS, "α", "spec/target", "match"):
+    for name in ("#", "kind", "prompt", *SYSTEMS, "α", "mean K", "spec/target", "match"):
         prompts.add_column(name, justify="left" if name in ("kind", "prompt") else "right",
                            no_wrap=name != "prompt", max_width=24 if name == "prompt" else None)
     for entry in report["per_prompt"]:
@@ -449,19 +470,19 @@ def summary_tables(report: dict) -> list:
             "no @" + ",".join(str(entry["first_difference"][s]) for s in ("specd_target", "specd_spec")
                               if not matches[s]))
         prompts.add_row(str(entry["index"]), entry["kind"], _short(entry["prompt"]),
-                        *(_num(speed[s], 2) for s in SYSTEMS), _num(entry["alpha"], 2),
+                        *(_num(speed[s], 2) for s in SYSTEMS), _num(entry["alpha"], 2), _mean_k(entry["draft_lengths"]),
                         _times(_ratio(speed["specd_spec"], speed["specd_target"])), match)
     return [systems, figures, prompts]
 
 
 def save_plot(report: dict, path: Path | str) -> None:
-    """Two panels: tokens/s per system (bars), and acceptance by draft position."""
+    """Three panels: tokens/s per system (bars), acceptance by draft position, and K over time per prompt."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, (speed, acceptance) = plt.subplots(1, 2, figsize=(13, 4.5))
+    figure, (speed, acceptance, lengths) = plt.subplots(1, 3, figsize=(19, 4.5))
     values = [report["results"][s]["tokens_per_s"] or 0.0 for s in SYSTEMS]
     bars = speed.bar(range(len(SYSTEMS)), values, color=["#888888", "#bbbbbb", "#4c72b0", "#dd8452"])
     speed.bar_label(bars, fmt="%.2f")
@@ -474,13 +495,22 @@ def save_plot(report: dict, path: Path | str) -> None:
     if rates:
         acceptance.bar(range(1, len(rates) + 1), rates, color="#dd8452")
     acceptance.set(xlabel="draft position", ylabel="accepted / steps",
-                   title=f"acceptance by draft position (α = {_num(report['alpha'], 2)}, K = {settings['draft_tokens']})",
+                   title=f"acceptance by draft position (α = {_num(report['alpha'], 2)}, "
+                         f"K = {settings['draft_tokens'] or 'auto'})",
                    xticks=range(1, max(len(rates), 1) + 1))
     acceptance.set_ylim(0, 1.05)
     acceptance.grid(alpha=0.3, axis="y")
+    for entry in report["per_prompt"]:
+        lengths.step(range(1, len(entry["draft_lengths"]) + 1), entry["draft_lengths"], where="post", alpha=0.6)
+    lengths.set(xlabel="step", ylabel="K (0 = target-only)", title="draft length K chosen, one line per prompt")
+    lengths.grid(alpha=0.3)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def _mean_k(lengths: list[int]) -> str:
+    return f"{sum(lengths) / len(lengths):.1f}" if lengths else "-"
 
 
 def _num(value: float | None, digits: int) -> str:

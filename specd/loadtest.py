@@ -151,26 +151,29 @@ def arrival_offsets(rate: float, count: int, seed: int = 0) -> list[float]:
 
 
 def acceptance_by_position(stats: list[specdecode_pb2.SpeculationStats]) -> list[float]:
-    """For draft position i: Σ accepted_per_position[i] / Σ steps of requests that drafted position i."""
+    """For draft position i: steps whose guess i was accepted / steps that drafted a guess i (K > i)."""
     width = max((len(s.accepted_per_position) for s in stats), default=0)
     rates = []
     for position in range(width):
-        drafting = [s for s in stats if s.draft_tokens > position or len(s.accepted_per_position) > position]
-        accepted = sum(s.accepted_per_position[position] for s in drafting if len(s.accepted_per_position) > position)
-        steps = sum(s.steps for s in drafting)
-        rates.append(accepted / steps if steps else 0.0)
+        accepted = sum(s.accepted_per_position[position] for s in stats if len(s.accepted_per_position) > position)
+        drafted = sum(k > position for s in stats for k in s.draft_lengths)
+        rates.append(accepted / drafted if drafted else 0.0)
     return rates
 
 
 def speculation_summary(stats: list[specdecode_pb2.SpeculationStats]) -> dict:
-    """acceptance_rate, mean_accepted_length, acceptance_by_position over all requests (None: none drafted)."""
+    """α, mean accepted length, acceptance by position, and how often speculation was off (None: no data)."""
     drafted = sum(s.drafted for s in stats)
     accepted = sum(s.accepted for s in stats)
     steps = sum(s.steps for s in stats)
+    lengths = [k for s in stats for k in s.draft_lengths]
+    drafting = [k for k in lengths if k]
     return {
         "acceptance_rate": accepted / drafted if drafted else None,
         "mean_accepted_length": 1 + accepted / steps if steps else None,
         "acceptance_by_position": acceptance_by_position(stats),
+        "speculation_off_share": lengths.count(0) / len(lengths) if lengths else None,  # target-only steps
+        "mean_draft_length": sum(drafting) / len(drafting) if drafting else None,  # K of the drafting steps
     }
 
 
@@ -298,7 +301,9 @@ async def _server_info(stub, timeout: float) -> dict | None:
     except grpc.aio.AioRpcError:
         return None
     return {"draft_model": info.draft.model, "target_model": info.target.model, "dtype": info.target.dtype,
-            "default_draft_tokens": info.default_draft_tokens, "workers": info.workers}
+            "default_draft_tokens": None if info.adaptive_draft_tokens else info.default_draft_tokens,
+            "max_draft_tokens": info.max_draft_tokens, "draft_quantization": info.draft.quantization,
+            "workers": info.workers}
 
 
 def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompts_file, server_info) -> dict:
@@ -321,7 +326,7 @@ def summary_table(report: dict):
 
     table = Table(title="specd loadtest")
     for name in ("run", "ok/sent", "tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
-                 "e2e p50/p99 s", "α", "mean acc. len", "errors"):
+                 "e2e p50/p99 s", "α", "mean acc. len", "mean K", "spec off", "errors"):
         table.add_column(name, justify="left" if name in ("run", "errors") else "right")
     for run in report["runs"]:
         table.add_row(*_table_row(run))
@@ -336,7 +341,8 @@ def _table_row(run: dict) -> list[str]:
         f"{_ms(run['ttft_s']['p50'])}/{_ms(run['ttft_s']['p99'])}", _ms(run["tpot_s"]["p50"]),
         f"{_ms(run['itl_s']['p50'])}/{_ms(run['itl_s']['p99'])}",
         f"{_num(run['e2e_s']['p50'], 2)}/{_num(run['e2e_s']['p99'], 2)}",
-        _num(run["acceptance_rate"], 2), _num(run["mean_accepted_length"], 2), errors,
+        _num(run["acceptance_rate"], 2), _num(run["mean_accepted_length"], 2), _num(run["mean_draft_length"], 1),
+        "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}", errors,
     ]
 
 

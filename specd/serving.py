@@ -164,6 +164,7 @@ def model_info(engine: Engine, scheduler: Scheduler) -> common_pb2.ModelInfo:
         max_batch_tokens=limits.max_batch_tokens,
         batch_sizes=dict(scheduler.batch_sizes),
         queued_calls=scheduler.queue_depth,
+        quantization=described.quantization,
     )
 
 

@@ -5,7 +5,7 @@ interleaved per prompt (A B C D, A B C D, ...) so machine drift falls on all ali
   hf_target     transformers generate() on the target alone
   hf_assisted   generate(assistant_model=draft), transformers' assisted decoding
   specd_target  specd, speculation off (K = 0), through the gRPC services and the orchestrator
-  specd_spec    specd speculative (K = --draft-tokens)
+  specd_spec    specd speculative (K chosen every step, or a fixed --draft-tokens K)
 The HF models load in this process; specd runs as a local stack (three processes) in the
 same dtype, or at --server. Reports tokens/s, the ratios, α, c, the mean accepted length,
 the analytic best speed-up for the measured α and c, and whether specd's output equals the
@@ -20,7 +20,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specd.cli.common import UserError, add_model_flags, write_report
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag, write_report
 
 
 def add_parser(verbs) -> None:
@@ -32,7 +32,8 @@ def add_parser(verbs) -> None:
                         help="one {\"prompt\": ..., \"kind\": ...} per line (default: bench/prompts.jsonl)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="tokens per prompt and system (default 64; 32 with --quick)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="K of specd_spec (default 4)")
+    parser.add_argument("--draft-tokens", type=draft_tokens_flag, default=None, metavar="K|auto",
+                        help="K of specd_spec (default auto: chosen every step by the orchestrator)")
     parser.add_argument("--draft-model", default="draft", help="default-pair name, local HF directory or hub id")
     parser.add_argument("--target-model", default="target", help="default-pair name, local HF directory or hub id")
     parser.add_argument("--server", default=None, metavar="HOST:PORT",
@@ -42,6 +43,7 @@ def add_parser(verbs) -> None:
     parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
                         help="draw tokens/s per system and acceptance by draft position")
     add_model_flags(parser)
+    add_quantize_flag(parser, "--draft-quantize", "draft")
     parser.set_defaults(run=run)
 
 
@@ -79,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
 def _settings(args, bench):
     from specd.loadtest import DEFAULT_PROMPTS, PromptsError
 
-    if args.draft_tokens < 1:
-        raise UserError("--draft-tokens must be >= 1 (specd_target already measures K = 0)")
+    if args.draft_tokens == 0:
+        raise UserError("--draft-tokens must be >= 1 or auto (specd_target already measures K = 0)")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise UserError("--max-new-tokens must be >= 1")
     if args.timeout <= 0:
@@ -94,7 +96,8 @@ def _settings(args, bench):
         prompts, kinds = prompts[: bench.QUICK_PROMPTS], kinds[: bench.QUICK_PROMPTS]
     tokens = args.max_new_tokens or (bench.QUICK_TOKENS if args.quick else bench.DEFAULT_TOKENS)
     return bench.BenchSettings(
-        prompts=prompts, kinds=kinds, max_new_tokens=tokens, draft_tokens=args.draft_tokens, dtype=args.dtype,
+        prompts=prompts, kinds=kinds, max_new_tokens=tokens, draft_tokens=args.draft_tokens,
+        draft_quantize=args.draft_quantize, dtype=args.dtype,
         threads=args.threads, draft_model=args.draft_model, target_model=args.target_model, server=args.server,
         timeout=args.timeout, prompts_file=str(prompts_file), quick=args.quick)
 

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specd.auth import add_client_flags, client_security_from_args
-from specd.cli.common import UserError, add_model_flags
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag
 
 
 def add_parser(verbs) -> None:
@@ -23,13 +23,16 @@ def add_parser(verbs) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--draft-tokens", type=int, default=None, help="K (default: the server's)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="a fixed K (default: the server's, which chooses K every step unless started with one)")
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
     parser.add_argument("--no-baseline", action="store_true", help="skip the target-only run that measures the speed-up")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--draft-model", default="draft", help="embedded stack only: the draft model")
     parser.add_argument("--target-model", default="target", help="embedded stack only: the target model")
     add_model_flags(parser)
+    add_quantize_flag(parser, "--draft-quantize", "draft")
+    add_quantize_flag(parser, "--target-quantize", "target")
     parser.set_defaults(run=run)
 
 
@@ -54,7 +57,8 @@ async def _generate(args) -> dict:
     address = args.server
     if address is None:
         config = StackConfig(dtype=args.dtype, threads=args.threads, draft_model=args.draft_model,
-                             target_model=args.target_model)
+                             target_model=args.target_model, draft_quantize=args.draft_quantize,
+                             target_quantize=args.target_quantize)
         stack = await LocalStack(config).start()
         address = stack.address
     try:
@@ -113,7 +117,7 @@ def _print_stats(result: dict) -> None:
     rows = [
         ("finish reason", result["finish_reason"]),
         ("tokens (prompt / completion)", f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}"),
-        ("draft length K", stats["draft_tokens"]),
+        ("draft length K", describe_draft_lengths(stats)),
         ("steps (target passes)", stats["steps"]),
         ("acceptance rate α", f"{stats['acceptance_rate']:.2f}"),
         ("mean accepted length", f"{stats['mean_accepted_length']:.2f}"),
@@ -128,6 +132,16 @@ def _print_stats(result: dict) -> None:
     for name, value in rows:
         table.add_row(name, str(value))
     Console(stderr=True).print(table)
+
+
+def describe_draft_lengths(stats: dict) -> str:
+    """Fixed K, or for an adaptive request its bound, the mean K and the target-only share of steps."""
+    if not stats.get("adaptive"):
+        return str(stats["draft_tokens"])
+    lengths = stats.get("draft_lengths") or [0]
+    drafting = [k for k in lengths if k]
+    mean = f"mean {sum(drafting) / len(drafting):.1f} when drafting" if drafting else "never drafted"
+    return f"auto (≤ {stats['draft_tokens']}): {mean}, target-only {lengths.count(0)} of {len(lengths)} steps"
 
 
 def _describe(error: Exception) -> str:

@@ -28,7 +28,8 @@ def add_parser(verbs) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0, help="request i uses seed + i; also seeds the arrivals")
-    parser.add_argument("--draft-tokens", type=int, default=None, help="K (default: the server's)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="a fixed K (default: the server's, which chooses K every step unless started with one)")
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
     parser.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")

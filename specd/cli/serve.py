@@ -6,9 +6,11 @@ import functools
 import logging
 
 from specd.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
-from specd.cli.common import UserError, add_model_flags
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag, quantization_for
 from specd.model.sessions import Limits
 from specd.orchestrator.faults import FaultPolicy
+
+DEFAULT_MAX_DRAFT_TOKENS = 8  # = orchestrator.server's; not imported from there, which needs grpc's aio
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
@@ -23,6 +25,7 @@ def add_parser(verbs) -> None:
         parser.add_argument("--model", default=role, help=f"default-pair name, local HF directory or hub id (default: the {role} of the default pair)")
         _add_address_flags(parser, role)
         add_model_flags(parser)
+        add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser)
         add_server_flags(parser)
         parser.set_defaults(run=run_model_service)
@@ -31,7 +34,11 @@ def add_parser(verbs) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
-    parser.add_argument("--draft-tokens", type=int, default=4, help="K when a request does not say")
+    parser.add_argument("--draft-tokens", type=draft_tokens_flag, default=None, metavar="K|auto",
+                        help="K when a request does not say (default auto: chosen every step from the measured "
+                             "acceptance and costs, 0 when speculation does not pay)")
+    parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS, metavar="K",
+                        help=f"the largest K auto may choose (default {DEFAULT_MAX_DRAFT_TOKENS})")
     _add_address_flags(parser, "orchestrator")
     parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
                         help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)")
@@ -108,15 +115,16 @@ def run_model_service(args: argparse.Namespace) -> int:
         from specd.target_service.server import create_target_server as create_server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     limits = limits_from_args(args)
-    load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits)
+    load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits,
+                             quantization_for(args.role, args.quantize))
     security = _security(args)
     asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}", security=security,
                                    metrics_host=args.host, metrics_port=None if args.no_metrics else args.metrics_port))
     return 0
 
 
-def _load_engine(engine_class, load_model, model, dtype, threads, limits):
-    return engine_class(load_model(model, dtype, threads), limits)
+def _load_engine(engine_class, load_model, model, dtype, threads, limits, quantization):
+    return engine_class(load_model(model, dtype, threads, quantization), limits)
 
 
 def run_orchestrator(args: argparse.Namespace) -> int:
@@ -129,7 +137,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
     security, service_security = _security(args), _security(args, client=True)
     start_ray(args.ray_address)
     server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens,
-                                policy=policy, security=security, service_security=service_security,
+                                max_draft_tokens=args.max_draft_tokens, policy=policy, security=security, service_security=service_security,
                                 max_concurrent_requests=args.max_concurrent_requests,
                                 max_prompt_tokens=args.max_prompt_tokens)
     try:

@@ -33,6 +33,9 @@ class StackConfig:
     metrics_port: int = 0
     ray_address: str | None = None
     workers: int = 2
+    draft_quantize: str | None = None  # None: the service's default (`auto`)
+    target_quantize: str | None = None
+    draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     extra_service_flags: list[str] = field(default_factory=list)
 
 
@@ -69,16 +72,17 @@ class LocalStack:
         config = self.config
         model_flags = _flags(dtype=config.dtype, threads=config.threads) + config.extra_service_flags
         draft = self._spawn("draft", config.draft_port, config.draft_metrics_port,
-                            ["draft", "--model", config.draft_model, *model_flags])
+                            ["draft", "--model", config.draft_model, *model_flags, *_flags(quantize=config.draft_quantize)])
         target = self._spawn("target", config.target_port, config.target_metrics_port,
-                             ["target", "--model", config.target_model, *model_flags])
+                             ["target", "--model", config.target_model, *model_flags,
+                              *_flags(quantize=config.target_quantize)])
         self.say(f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}")
         started = time.monotonic()
         await asyncio.gather(self._wait(draft), self._wait(target))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
         orchestrator = self._spawn("orchestrator", config.port, config.metrics_port, [
             "orchestrator", "--draft", draft.address, "--target", target.address, "--http-port", str(self.http_port),
-            "--workers", str(config.workers), *_flags(ray_address=config.ray_address)])
+            "--workers", str(config.workers), *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens)])
         await self._wait(orchestrator)
         return self
 

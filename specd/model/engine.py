@@ -17,6 +17,7 @@ class ModelDescription:
     tokenizer_fingerprint: str
     dtype: str
     eos_token_ids: list[int]
+    quantization: str = "none"
 
 
 class Engine:
@@ -37,6 +38,7 @@ class Engine:
             tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
             dtype=str(loaded.dtype).removeprefix("torch."),
             eos_token_ids=loaded.eos_token_ids,
+            quantization=loaded.quantization,
         )
 
     def prefill(self, cursor: Cursor) -> int:

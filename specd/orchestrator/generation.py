@@ -2,12 +2,13 @@
 
 Protocol (per request):
   1. Prefill: both services cache the prompt minus its last token (in parallel).
-  2. Step: the draft proposes K tokens; the target verifies them in one pass and emits
-     accepted + 1 tokens; the orchestrator commits them and streams the new text.
+  2. Step: choose K (fixed, or adaptive.py's best for the measured α and costs); the draft
+     proposes K tokens; the target verifies them in one pass and emits accepted + 1 tokens;
+     the orchestrator commits them and streams the new text.
   3. Rollback is implicit: each next call starts at the agreed prefix (sessions.py).
   4. Finish on max_new_tokens, EOS, a stop string, the deadline or a cancel; release both
      sessions whatever happened.
-Speculation off (K = 0) runs step 2 as a plain decode on the target alone: the baseline.
+Speculation off (K = 0, asked for or chosen) runs step 2 as a plain decode on the target alone.
 A draft that is down or slower than its deadline is skipped the same way, step by step (fail
 closed, faults.py); an unavailable target is retried, then the request ends UNAVAILABLE.
 """
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from specd.contract import SERVICE_SECONDS_KEY
+from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
@@ -38,7 +40,8 @@ class GenerationRequest:
     top_k: int = 0
     seed: int = 0
     stop: list[str] = field(default_factory=list)
-    draft_tokens: int = 4  # K; 0 = speculation off
+    draft_tokens: int | None = None  # K; 0 = speculation off; None = chosen every step (adaptive.py)
+    max_draft_tokens: int = 8  # the largest K an adaptive request may choose
     ignore_eos: bool = False
     deadline: float | None = None  # time.time() by which the request must end
     session_id: str = ""  # the services' session id (the pool sets it, to release it if a worker dies)
@@ -60,11 +63,13 @@ class Finished:
 
 @dataclass
 class Stats:
-    draft_tokens: int = 0
+    draft_tokens: int = 0  # the fixed K, or the largest K when adaptive
+    adaptive: bool = False
     steps: int = 0
     drafting_steps: int = 0  # steps that verified >= 1 draft token (vLLM's num_drafts)
     drafted: int = 0
     accepted: int = 0
+    draft_lengths: list[int] = field(default_factory=list)  # K of each step (0: target-only)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # wall seconds of the draft calls
     verify_seconds: float = 0.0  # wall seconds of the target calls
@@ -77,6 +82,7 @@ class Stats:
 
     def record_step(self, drafted: int, accepted: int) -> None:
         self.steps += 1
+        self.draft_lengths.append(drafted)
         self.drafting_steps += drafted > 0
         self.drafted += drafted
         self.accepted += accepted
@@ -117,7 +123,8 @@ class Generation:
     """The orchestrator's state for one request: it alone owns `committed`."""
 
     def __init__(self, request: GenerationRequest, draft_stub, target_stub, tokenizer: Tokenizer, eos_ids: set[int],
-                 policy: FaultPolicy = FaultPolicy(), draft_gate: DraftGate | None = None):
+                 policy: FaultPolicy = FaultPolicy(), draft_gate: DraftGate | None = None,
+                 costs: ServiceCosts | None = None):
         self.request = request
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
         session_id = request.session_id or uuid.uuid4().hex
@@ -130,11 +137,16 @@ class Generation:
         )
         self.output = OutputText(tokenizer, request.stop)
         self.eos_ids = set() if request.ignore_eos else eos_ids
-        self.stats = Stats(draft_tokens=request.draft_tokens)
+        self.costs = costs or ServiceCosts()  # shared by a worker's requests
+        adaptive = request.draft_tokens is None
+        self.chooser = AdaptiveK(self.costs, request.max_draft_tokens) if adaptive else None
+        self.stats = Stats(draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens,
+                           adaptive=adaptive)
+        self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
 
     @property
     def speculating(self) -> bool:
-        return self.request.draft_tokens > 0
+        return self.chooser is not None or self.request.draft_tokens > 0
 
     @property
     def generated(self) -> int:
@@ -185,15 +197,16 @@ class Generation:
             log.warning("draft prefill failed, continuing target-only: %s", failure)
 
     async def step(self) -> list[int]:
-        """One step: speculative, or target-only when speculation is off or the draft is down or slow.
+        """One step: speculative, or target-only when K is 0 or the draft is down or slow.
 
         Fail closed: a draft failure costs this step its guesses, never a token, since the target
         decides every token either way.
         """
-        if not (self.speculating and self.draft_gate.is_open()):
+        k = self.draft_length()
+        if not (k and self.draft_gate.is_open()):
             return await self.decode_step()
         try:
-            emitted = await self.speculative_step()
+            emitted = await self.speculative_step(k)
         except ServiceFailed as failure:
             if failure.service != "draft":
                 raise
@@ -203,11 +216,15 @@ class Generation:
         self.draft_gate.succeeded()
         return emitted
 
-    async def speculative_step(self) -> list[int]:
+    def draft_length(self) -> int:
+        """K for this step: fixed, or the chooser's; never more than the tokens left minus the target's own."""
+        left = self.request.max_new_tokens - self.generated
+        if self.chooser:
+            return self.chooser.next_k(left)
+        return max(0, min(self.request.draft_tokens, left - 1))
+
+    async def speculative_step(self, k: int) -> list[int]:
         """Guess -> verify. Returns the emitted tokens (accepted guesses + the target's own)."""
-        k = min(self.request.draft_tokens, self.request.max_new_tokens - self.generated - 1)
-        if k < 1:
-            return await self.decode_step()  # one token left: a guess could not pay off
         committed = self.committed
         # 1. Propose: the draft guesses K tokens after the committed ones.
         started = time.perf_counter()
@@ -224,9 +241,8 @@ class Generation:
         emitted = list(verdict.emitted_tokens)
         self.target.mirror = committed + emitted[:-1]
         # 3. Rollback needs no message: both services truncate to the agreed prefix on their
-        #    next call, so rejected guesses vanish there. 4. Record.
-        self.stats.record_times(verified - started, draft_served, time.perf_counter() - verified, verify_served)
-        self.stats.record_step(k, verdict.accepted)
+        #    next call, so rejected guesses vanish there. 4. Record what it cost and gave.
+        self.record(k, verdict.accepted, (verified - started, draft_served), (time.perf_counter() - verified, verify_served))
         return emitted
 
     async def decode_step(self) -> list[int]:
@@ -236,9 +252,21 @@ class Generation:
         reply, decode_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Decode(
             target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.target.timeout())))
         self.target.mirror = list(committed)
-        self.stats.record_times(0.0, None, time.perf_counter() - started, decode_served)
-        self.stats.record_step(0, 0)
+        self.record(0, 0, (0.0, None), (time.perf_counter() - started, decode_served))
         return list(reply.emitted_tokens)
+
+    def record(self, k: int, accepted: int, draft: tuple[float, float | None], verify: tuple[float, float | None]) -> None:
+        """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds or None)."""
+        self.stats.record_times(*draft, *verify)
+        self.stats.record_step(k, accepted)
+        draft_s, verify_s, network_s = self.stats.step_seconds[-1]
+        draft_rtt = draft[0] - draft_s
+        self.costs.record_verify(k, verify_s, network_s - draft_rtt)
+        if k and self.draft_in_step:  # after target-only steps the call also caught up on their tokens
+            self.costs.record_draft(k, draft_s, draft_rtt)
+        if k and self.chooser:
+            self.chooser.observe(k, accepted)
+        self.draft_in_step = k > 0
 
     def commit(self, emitted: list[int]) -> str | None:
         """Append emitted tokens, cut at EOS or the token budget; returns a finish reason or None."""

@@ -18,7 +18,7 @@ from specd.orchestrator.worker import Failed, WorkerPool
 from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
 
 SERVICE_NAME = "specd.v1.SpecDecode"
-DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K
 
 
 class BadRequest(Exception):
@@ -26,12 +26,14 @@ class BadRequest(Exception):
 
 
 class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
-    def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int,
-                 metrics: OrchestratorMetrics | None = None, max_prompt_tokens: int | None = None):
+    def __init__(self, pair: ServicePair, pool: WorkerPool, default_draft_tokens: int | None = None,
+                 metrics: OrchestratorMetrics | None = None, max_prompt_tokens: int | None = None,
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS):
         self.max_prompt_tokens = max_prompt_tokens  # longest prompt accepted; None = what a session holds
         self.pair = pair
         self.pool = pool
-        self.default_draft_tokens = default_draft_tokens
+        self.default_draft_tokens = default_draft_tokens  # None: adaptive (chosen every step)
+        self.max_draft_tokens = min(max_draft_tokens, *self.services_max_k())
         self.metrics = metrics or OrchestratorMetrics()
 
     async def Generate(self, request, context):
@@ -48,8 +50,12 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
     async def Info(self, request, context):
         return specdecode_pb2.OrchestratorInfo(
             draft=self.pair.draft_info, target=self.pair.target_info,
-            default_draft_tokens=self.default_draft_tokens, workers=len(self.pool.actors),
+            default_draft_tokens=self.default_draft_tokens or 0, workers=len(self.pool.actors),
+            adaptive_draft_tokens=self.default_draft_tokens is None, max_draft_tokens=self.max_draft_tokens,
         )
+
+    def services_max_k(self) -> tuple[int, int]:
+        return self.pair.draft_info.max_draft_tokens, self.pair.target_info.max_draft_tokens
 
     def generate(self, request: GenerationRequest, api: str):
         """Run a prepared request on the pool: Delta events, then Finished or Failed (every API's path)."""
@@ -82,13 +88,14 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
         if not 0 <= sampling.top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}")
         k = request.draft_tokens if request.HasField("draft_tokens") else self.default_draft_tokens
-        max_k = min(target.max_draft_tokens, self.pair.draft_info.max_draft_tokens)
-        if k > max_k:
+        max_k = min(self.services_max_k())
+        if k is not None and k > max_k:
             raise BadRequest(f"draft_tokens K={k} is above the largest the services accept ({max_k}); 0 turns speculation off")
         return GenerationRequest(
             prompt_ids=prompt_ids, max_new_tokens=request.max_new_tokens,
             temperature=sampling.temperature, top_p=sampling.top_p or 1.0, top_k=sampling.top_k,
-            seed=sampling.seed, stop=list(request.stop), draft_tokens=k, ignore_eos=request.ignore_eos,
+            seed=sampling.seed, stop=list(request.stop), draft_tokens=k, max_draft_tokens=self.max_draft_tokens,
+            ignore_eos=request.ignore_eos,
             deadline=None if time_remaining is None else time.time() + time_remaining,
         )
 
@@ -101,7 +108,9 @@ def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
         finish_reason=event.reason,
         usage=specdecode_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
         stats=specdecode_pb2.SpeculationStats(
-            draft_tokens=stats.draft_tokens, steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
+            draft_tokens=stats.draft_tokens, adaptive=stats.adaptive, draft_lengths=stats.draft_lengths,
+            drafting_steps=stats.drafting_steps, network_seconds=stats.network_seconds,
+            steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
             acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
             accepted_per_position=stats.accepted_per_position, draft_seconds=stats.draft_seconds,
             verify_seconds=stats.verify_seconds, other_seconds=stats.other_seconds,
@@ -115,16 +124,18 @@ class OrchestratorServer:
     """The SpecDecode server: connect to the pair, start the Ray workers, serve."""
 
     def __init__(self, draft_address: str, target_address: str, workers: int = 2,
-                 default_draft_tokens: int = DEFAULT_DRAFT_TOKENS, policy: FaultPolicy = FaultPolicy(),
+                 default_draft_tokens: int | None = None, policy: FaultPolicy = FaultPolicy(),
                  security: ServerSecurity = ServerSecurity(), service_security: ClientSecurity = ClientSecurity(),
-                 max_concurrent_requests: int | None = None, max_prompt_tokens: int | None = None):
+                 max_concurrent_requests: int | None = None, max_prompt_tokens: int | None = None,
+                 max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS):
         self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
         self.security = security  # this server's token and TLS
         self.service_security = service_security  # the token and CA it uses towards the services
         self.limits = (max_concurrent_requests, max_prompt_tokens)  # None = unlimited
         self.addresses = (draft_address, target_address)
         self.workers = workers
-        self.default_draft_tokens = default_draft_tokens
+        self.default_draft_tokens = default_draft_tokens  # None: adaptive
+        self.max_draft_tokens = max_draft_tokens
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.pool: WorkerPool | None = None
@@ -140,7 +151,7 @@ class OrchestratorServer:
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())
         self.servicer = SpecDecodeServicer(pair, self.pool, self.default_draft_tokens, self.metrics,
-                                           max_prompt_tokens=self.limits[1])
+                                           max_prompt_tokens=self.limits[1], max_draft_tokens=self.max_draft_tokens)
         specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)

@@ -18,6 +18,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from specd.auth import ClientSecurity
+from specd.orchestrator.adaptive import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import ServicePair, connect_pair
@@ -39,6 +40,7 @@ class GenerationWorker:
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
         self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
+        self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (adaptive.py)
         self.pair = None
         self.connecting = asyncio.Lock()
 
@@ -49,7 +51,7 @@ class GenerationWorker:
     async def generate(self, request: GenerationRequest):
         await self._connect()
         generation = Generation(request, self.pair.draft_stub, self.pair.target_stub, self.pair.tokenizer,
-                                set(self.pair.target_info.eos_token_ids), self.policy, self.draft_gate)
+                                set(self.pair.target_info.eos_token_ids), self.policy, self.draft_gate, self.costs)
         try:
             async for event in generation.run():
                 yield event

@@ -60,7 +60,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s")
+    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +74,10 @@ class SpeculationStats(_message.Message):
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     RESYNCS_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    DRAFTING_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NETWORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     steps: int
     drafted: int
@@ -87,16 +91,24 @@ class SpeculationStats(_message.Message):
     tokens_per_s: float
     resyncs: int
     time_to_first_token_s: float
-    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ...) -> None: ...
+    adaptive: bool
+    draft_lengths: _containers.RepeatedScalarFieldContainer[int]
+    drafting_steps: int
+    network_seconds: float
+    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("draft", "target", "default_draft_tokens", "workers")
+    __slots__ = ("draft", "target", "default_draft_tokens", "workers", "adaptive_draft_tokens", "max_draft_tokens")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ADAPTIVE_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.ModelInfo
     target: _common_pb2.ModelInfo
     default_draft_tokens: int
     workers: int
-    def __init__(self, draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., default_draft_tokens: _Optional[int] = ..., workers: _Optional[int] = ...) -> None: ...
+    adaptive_draft_tokens: bool
+    max_draft_tokens: int
+    def __init__(self, draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., default_draft_tokens: _Optional[int] = ..., workers: _Optional[int] = ..., adaptive_draft_tokens: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ...) -> None: ...

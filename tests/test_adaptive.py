@@ -1,0 +1,129 @@
+"""The K chooser (orchestrator/adaptive.py) on synthetic numbers: the analytic optimum, the off-switch and its recovery.
+
+Costs are in units of one target step (t_verify = 1 for every K: the textbook premise), so
+c = t_draft and RTT is per call. Expected K values were worked out by brute force over
+E[tokens](K) / (K·c + t_verify + RTT·calls) and spot-checked by hand: α = 0.9, c = 0.4 gives
+K = 4 at 1.58× (DESIGN.md §7's "about 1.6× at K = 4"); α = 0.5, c = 0.4: K = 1 gives 1.5/1.4 =
+1.07, K = 2 gives 1.75/1.8 = 0.97; α = 0.3, c = 0.5: K = 1 gives 1.3/1.5 < 1, so off.
+"""
+
+import pytest
+
+from specd.orchestrator.adaptive import (
+    PROBE_MIN_STEPS, AdaptiveK, Ewma, ServiceCosts, best_draft_length, expected_tokens,
+)
+
+
+def measured_costs(t_draft: float, verify: dict[int, float], rtt: float = 0.0, alpha: float = 0.7) -> ServiceCosts:
+    costs = ServiceCosts()
+    for k, seconds in verify.items():
+        costs.record_verify(k, seconds, rtt)
+    costs.record_draft(4, 4 * t_draft, rtt)
+    costs.alpha = Ewma(costs.alpha.weight, alpha)
+    return costs
+
+
+@pytest.mark.parametrize("alpha, c, rtt, k", [
+    (0.9, 0.1, 0.0, 8),   # cheap draft, high acceptance: the longest K allowed
+    (0.95, 0.05, 0.0, 8),
+    (1.0, 0.1, 0.0, 8),
+    (0.9, 0.4, 0.0, 4),   # this pair in bf16 (DESIGN.md §7)
+    (0.8, 0.15, 0.0, 5),
+    (0.6, 0.1, 0.0, 3),
+    (0.5, 0.4, 0.0, 1),
+    (0.3, 0.5, 0.0, 0),   # speculation does not pay: off
+    (0.0, 0.1, 0.0, 0),
+    (0.7, 0.2, 1.0, 5),   # a round trip as long as a target step: longer drafts amortise it
+    (0.8, 0.15, 0.5, 7),
+    (0.8, 0.15, 2.0, 8),
+    (0.9, 0.4, 1.0, 8),
+])
+def test_chooser_picks_the_analytic_optimum(alpha, c, rtt, k):
+    assert best_draft_length(alpha, c, lambda _: 1.0, rtt, rtt, max_k=8) == k
+    chooser = AdaptiveK(measured_costs(c, {0: 1.0, 8: 1.0}, rtt, alpha), max_k=8)
+    assert chooser.next_k(tokens_left=100) == (k or 0)
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5
+    assert expected_tokens(0.0, 8) == 1
+
+
+def test_max_k_and_the_tokens_left_bound_the_choice():
+    chooser = AdaptiveK(measured_costs(0.05, {0: 1.0, 8: 1.0}, alpha=0.95), max_k=3)
+    assert chooser.next_k(tokens_left=100) == 3
+    assert chooser.next_k(tokens_left=3) == 2  # the target adds one token of its own
+    assert chooser.next_k(tokens_left=1) == 0
+
+
+def test_verify_seconds_interpolates_and_extends_the_measured_curve():
+    costs = measured_costs(0.1, {0: 1.0, 4: 3.0})
+    assert costs.verify_seconds(2) == pytest.approx(2.0)
+    assert costs.verify_seconds(6) == pytest.approx(4.0)  # along the last slope
+    assert measured_costs(0.1, {0: 1.0}).verify_seconds(5) == 1.0  # one point: the premise (flat)
+
+
+def test_a_costly_verify_makes_a_shorter_k_best():
+    """The CPU case: scoring K + 1 tokens costs far more than one step, so only short drafts pay."""
+    flat = AdaptiveK(measured_costs(0.1, {0: 1.0, 8: 1.0}, alpha=0.85), max_k=8)
+    steep = AdaptiveK(measured_costs(0.1, {0: 1.0, 1: 1.3, 4: 3.2, 8: 5.0}, alpha=0.85), max_k=8)
+    assert flat.next_k(100) == 7  # 4.85 tokens / 1.7 steps, just ahead of K = 8 (5.12 / 1.8)
+    assert steep.next_k(100) == 1
+
+
+def test_a_fresh_worker_measures_a_decode_then_a_draft_before_choosing():
+    costs = ServiceCosts()
+    chooser = AdaptiveK(costs, max_k=8)
+    assert chooser.next_k(100) == 0  # nothing known: measure t_verify(0) first
+    costs.record_verify(0, 1.0, 0.0)
+    assert chooser.next_k(100) == 4  # then one speculative step at the first K
+    costs.record_verify(4, 1.0, 0.0)
+    costs.record_draft(4, 0.4, 0.0)
+    assert costs.ready()
+
+
+def off_and_probe_steps(chooser: AdaptiveK, steps: int) -> list[int]:
+    return [chooser.next_k(100) for _ in range(steps)]
+
+
+def test_collapsed_acceptance_switches_off_probes_with_backoff_and_recovers():
+    costs = measured_costs(0.15, {0: 1.0, 8: 1.0}, alpha=0.8)
+    chooser = AdaptiveK(costs, max_k=8)
+    assert chooser.next_k(100) > 0
+    for _ in range(12):  # a stretch where every first guess is rejected
+        chooser.observe(4, 0)
+    ks = off_and_probe_steps(chooser, 40)
+    probes = [i for i, k in enumerate(ks) if k]
+    # off, except a probe after 4 steps, then 8, then 16 while probes keep failing
+    assert probes == [PROBE_MIN_STEPS - 1, 3 * PROBE_MIN_STEPS - 1, 7 * PROBE_MIN_STEPS - 1]
+    assert all(k >= 1 for k in (ks[i] for i in probes))
+    for _ in range(6):  # the text turns easy again: the probes are accepted
+        chooser.observe(4, 4)
+    assert off_and_probe_steps(chooser, 5) == [8] * 5  # back on, every step
+    assert chooser.probe_every == PROBE_MIN_STEPS  # and a later collapse starts with short probes again
+
+
+def test_a_saturated_target_switches_off_and_a_quiet_one_back_on():
+    """Under load, verifying K tokens stops riding free: t_verify(K) grows, K = 0 wins, until it falls."""
+    costs = measured_costs(0.1, {0: 1.0, 4: 1.1}, alpha=0.7)
+    chooser = AdaptiveK(costs, max_k=4)
+    assert chooser.next_k(100) == 4
+    for _ in range(10):
+        costs.record_verify(4, 6.0, 0.0)  # busy target: batched with everyone else's rows
+    assert off_and_probe_steps(chooser, PROBE_MIN_STEPS - 1) == [0] * (PROBE_MIN_STEPS - 1)
+    assert chooser.next_k(100) == 1  # the probe: the best K if drafting at all (t_verify(1) is interpolated)
+    for _ in range(10):
+        costs.record_verify(4, 1.1, 0.0)  # the load is gone
+    assert chooser.next_k(100) >= 3
+
+
+def test_a_request_starts_from_the_workers_recent_acceptance():
+    costs = measured_costs(0.15, {0: 1.0, 8: 1.0}, alpha=0.8)
+    first = AdaptiveK(costs, max_k=8)
+    for _ in range(100):
+        first.observe(4, 0)
+    assert costs.alpha.value < 0.1  # the worker's average followed
+    second = AdaptiveK(costs, max_k=8)
+    assert second.alpha.value == costs.alpha.value
+    assert second.next_k(100) == 0

@@ -1,0 +1,59 @@
+"""A quantized draft and an adaptive K change speed, never the output: greedy equals speculation off."""
+
+import pytest
+import torch
+
+from specd.model.loading import load_model
+from specd.model.sessions import Limits
+from specd.v1 import common_pb2
+from conftest import start_stack, stop_stack
+from test_orchestrator import PROMPTS, generate, request
+
+
+async def expect_exact_and_adaptive(stack, max_new_tokens: int = 24) -> list:
+    """Every prompt: the adaptive request (K unset) equals K = 0, and its stats describe each step's K."""
+    finals = []
+    for prompt in PROMPTS:
+        baseline, baseline_text, _ = await generate(stack.client, request(prompt, 0, max_new_tokens))
+        tokens, text, final = await generate(stack.client, request(prompt, None, max_new_tokens))
+        assert tokens == baseline, prompt
+        assert text == baseline_text
+        stats = final.stats
+        assert stats.adaptive and stats.draft_tokens == 8  # the orchestrator's default bound
+        assert len(stats.draft_lengths) == stats.steps
+        assert sum(stats.draft_lengths) == stats.drafted
+        assert all(0 <= k <= 8 for k in stats.draft_lengths)
+        finals.append(final)
+    return finals
+
+
+async def test_adaptive_k_equals_speculation_off_and_drafts(tiny_stack):
+    finals = await expect_exact_and_adaptive(tiny_stack)
+    lengths = [k for final in finals for k in final.stats.draft_lengths]
+    assert any(k > 0 for k in lengths)  # a tiny target verifies K tokens at the price of one: it speculates
+    info = await tiny_stack.client.Info(common_pb2.InfoRequest())
+    assert info.adaptive_draft_tokens and info.max_draft_tokens == 8
+
+
+async def test_a_fixed_k_overrides_the_chooser(tiny_stack):
+    tokens, _, final = await generate(tiny_stack.client, request(PROMPTS[0], 3, 24))
+    assert not final.stats.adaptive and final.stats.draft_tokens == 3
+    assert set(final.stats.draft_lengths[:-1]) == {3}  # only the last step may be shorter (tokens left)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+async def test_quantized_draft_keeps_greedy_output_exact(tiny_dirs, tiny_loaded, ray_local, scheme):
+    draft = load_model(str(tiny_dirs["draft"]), "float32", quantization=scheme)
+    quantized = [type(module.weight).__name__ for module in draft.model.modules() if isinstance(module, torch.nn.Linear)]
+    assert any(name != "Parameter" for name in quantized), quantized  # torchao's tensors replaced the weights
+    stack = await start_stack(draft, tiny_loaded["target"], Limits(max_sessions=8))
+    try:
+        info = await stack.services.draft.Info(common_pb2.InfoRequest())
+        assert info.quantization == scheme
+        finals = await expect_exact_and_adaptive(stack)
+        assert sum(final.stats.drafted for final in finals) > 0
+        tokens, _, final = await generate(stack.client, request(PROMPTS[2], 4, 24))  # and a fixed K
+        assert tokens == (await generate(stack.client, request(PROMPTS[2], 0, 24)))[0]
+        assert final.stats.accepted > 0  # the quantized draft still guesses right at times
+    finally:
+        await stop_stack(stack)
