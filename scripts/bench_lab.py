@@ -11,17 +11,25 @@ K, batch 1, greedy; tokens/s = completion tokens / the request's wall time at th
 
 import argparse
 import asyncio
+import signal
 import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 
 from specd.cli.common import write_report
 from specd.client import channel, complete, make_request
 from specd.deploy.lab import Lab, LabConfig, namespaces_refused
-from specd.v1 import specdecode_pb2_grpc
+from specd.v1 import common_pb2, specdecode_pb2_grpc
 
 PROMPTS = ("def quicksort(arr):", "# Write a function that parses an ISO 8601 date string")
 
@@ -35,6 +43,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draft-model", default="draft")
     parser.add_argument("--target-model", default="target")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-quantize", default="auto", help="as `specd up`: auto = int4 for a CPU draft")
     parser.add_argument("--loopback", action="store_true", help="the loopback lab even where namespaces work")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
@@ -49,7 +58,7 @@ async def run(args, console: Console) -> dict:
     if refused:
         console.print(f"[yellow]network namespaces refused ({refused}): the loopback lab instead")
     config = LabConfig(draft_model=args.draft_model, target_model=args.target_model, dtype=args.dtype,
-                       namespaces=not (args.loopback or refused))
+                       namespaces=not (args.loopback or refused), up_flags=["--draft-quantize", args.draft_quantize])
     started = time.monotonic()
     async with Lab(config, say=console.print) as lab:
         await lab.deploy()
@@ -57,8 +66,11 @@ async def run(args, console: Console) -> dict:
         async with channel(lab.address) as orchestrator:
             stub = specdecode_pb2_grpc.SpecDecodeStub(orchestrator)
             await complete(stub, make_request(prompts[0], 8, draft_tokens=4, ignore_eos=True))  # warm-up
+            info = await stub.Info(common_pb2.InfoRequest())
             runs = await sweep(lab, stub, rtts, ks, prompts, args.max_new_tokens)
     return {"lab": "namespaces" if config.namespaces else "loopback", "dtype": args.dtype,
+            "models": {role: {"model": part.model, "dtype": part.dtype, "quantization": part.quantization}
+                       for role, part in (("draft", info.draft), ("target", info.target))},
             "max_new_tokens": args.max_new_tokens, "prompts": list(prompts), "rtts_ms": rtts, "ks": ks,
             "wall_s": round(time.monotonic() - started, 1), "runs": runs, "summary": summarize(runs, rtts)}
 
@@ -149,6 +161,8 @@ def save_plot(report: dict, path: Path) -> None:
 
 
 def main() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # even when started in the background
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` tears the lab down like Ctrl-C
     args = parse_args()
     console = Console()
     report = asyncio.run(run(args, console))

@@ -4,7 +4,7 @@ import argparse
 import asyncio
 import signal
 
-from specd.cli.common import add_model_flags
+from specd.cli.common import add_model_flags, add_quantize_flag
 from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS
 
 
@@ -36,6 +36,8 @@ def add_parser(verbs) -> None:
     cluster.add_argument("--restart-after", type=float, default=60.0, metavar="S",
                          help="a server that answers no health check for this long is killed, and Ray restarts it")
     add_model_flags(parser)
+    add_quantize_flag(parser, "--draft-quantize", "draft")
+    add_quantize_flag(parser, "--target-quantize", "target")
     parser.set_defaults(run=run)
 
 
@@ -49,7 +51,8 @@ def run_on_cluster(args: argparse.Namespace) -> int:
 
     stack = ClusterStack(ClusterConfig(
         ray_address=args.ray_address, draft_model=args.draft_model, target_model=args.target_model,
-        dtype=args.dtype, threads=args.threads, draft_port=args.draft_port, target_port=args.target_port,
+        dtype=args.dtype, threads=args.threads, draft_quantize=args.draft_quantize,
+        target_quantize=args.target_quantize, draft_port=args.draft_port, target_port=args.target_port,
         port=args.port, http_port=args.http_port, metrics_port=args.metrics_port,
         draft_metrics_port=args.draft_metrics_port, target_metrics_port=args.target_metrics_port, replicas=args.replicas,
         workers=args.workers, draft_address=args.draft_address, target_address=args.target_address,
@@ -76,6 +79,7 @@ def run_here(args: argparse.Namespace) -> int:
         draft_port=args.draft_port, target_port=args.target_port, port=args.port, http_port=args.http_port,
         draft_metrics_port=args.draft_metrics_port, target_metrics_port=args.target_metrics_port,
         metrics_port=args.metrics_port, workers=args.workers,
+        draft_quantize=args.draft_quantize, target_quantize=args.target_quantize,
     ))
     try:
         asyncio.run(stack.start())

@@ -23,8 +23,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from specd.model.sessions import Limits
 from specd.orchestrator.remote import wait_until_serving
 
-CUSTOM_RESOURCE = {"draft": "draft", "target": "target", "orchestrator": "orchestrator"}
-
 
 @dataclass
 class ClusterConfig:
@@ -33,6 +31,8 @@ class ClusterConfig:
     target_model: str = "target"
     dtype: str | None = None
     threads: int | None = None  # torch threads per model service (default: the node's cores)
+    draft_quantize: str = "auto"  # none, int8, int4 or auto (resolved on the draft's node: int4 without a GPU)
+    target_quantize: str = "auto"
     limits: Limits = field(default_factory=Limits)
     draft_port: int = 50061
     target_port: int = 50062
@@ -59,10 +59,13 @@ class Deployed:
 
 
 def placement(role: str, resources: dict) -> dict:
-    """Ray actor options that put `role` on the right kind of node of this cluster."""
-    custom = CUSTOM_RESOURCE[role]
-    if custom in resources:
-        return {"resources": {custom: 0.01}, "num_cpus": 0}
+    """Ray actor options that put `role` on the right kind of node of this cluster.
+
+    A node offers a role as a custom resource of that name (`ray start --resources='{"draft": 1}'`);
+    asking for a sliver of it lets replicas share a node.
+    """
+    if role in resources:
+        return {"resources": {role: 0.01}, "num_cpus": 0}
     if role == "target" and resources.get("GPU", 0) >= 1:
         return {"num_gpus": 1, "num_cpus": 0}
     return {"num_cpus": 0}
@@ -72,26 +75,26 @@ def placement(role: str, resources: dict) -> dict:
 class ModelServiceActor:
     """A draft or target gRPC server (health, reflection, metrics) in this actor's event loop."""
 
-    def __init__(self, role: str, model: str, dtype: str | None, threads: int | None, limits: Limits,
-                 port: int, metrics_port: int | None):
+    def __init__(self, role: str, model: str, dtype: str | None, threads: int | None, quantize: str,
+                 limits: Limits, port: int, metrics_port: int | None):
         self.port = port
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
-            self._serve(role, model, dtype, threads, limits, metrics_port))
+            self._serve(role, model, dtype, threads, quantize, limits, metrics_port))
 
-    async def _serve(self, role, model, dtype, threads, limits, metrics_port) -> None:
+    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port) -> None:
+        from specd.cli.common import quantization_for
         from specd.metrics import start_exporter
         from specd.model.loading import load_model
 
         if role == "draft":
-            from specd.draft_service.engine import DraftEngine as engine_class
-            from specd.draft_service.server import create_draft_server as create_server
+            from specd.draft_service import engine, server
+            engine_class, create_server = engine.DraftEngine, server.create_draft_server
         else:
-            from specd.target_service.engine import TargetEngine as engine_class
-            from specd.target_service.server import (
-                create_target_server as create_server,
-            )
-        self.server = create_server(lambda: engine_class(load_model(model, dtype, threads), limits))
+            from specd.target_service import engine, server
+            engine_class, create_server = engine.TargetEngine, server.create_target_server
+        quantization = quantization_for(role, quantize)
+        self.server = create_server(lambda: engine_class(load_model(model, dtype, threads, quantization), limits))
         if not await self.server.start(f"0.0.0.0:{self.port}"):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
@@ -166,10 +169,11 @@ class ClusterStack:
 
     async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
         config = self.config
-        port, metrics_port = ((config.draft_port, config.draft_metrics_port) if role == "draft"
-                              else (config.target_port, config.target_metrics_port))
+        port, metrics_port, quantize = (
+            (config.draft_port, config.draft_metrics_port, config.draft_quantize) if role == "draft"
+            else (config.target_port, config.target_metrics_port, config.target_quantize))
         actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **placement(role, resources)).remote(
-            role, model, config.dtype, config.threads, config.limits, port, metrics_port)
+            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port)
         deployed = await self._locate(Deployed(role, actor))
         self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid})")
         await self._until_serving(deployed, timeout_s=900)
