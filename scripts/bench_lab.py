@@ -11,6 +11,7 @@ K, batch 1, greedy; tokens/s = completion tokens / the request's wall time at th
 
 import argparse
 import asyncio
+import json
 import signal
 import time
 from pathlib import Path
@@ -38,8 +39,8 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rtts", default="0,1,5,20,50", help="round-trip times in ms (comma-separated)")
     parser.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths K to try")
-    parser.add_argument("--prompts", type=int, default=2, help=f"how many of {len(PROMPTS)} prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--prompts", type=int, default=1, help=f"how many of {len(PROMPTS)} prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--draft-model", default="draft")
     parser.add_argument("--target-model", default="target")
     parser.add_argument("--dtype", default="bfloat16")
@@ -67,7 +68,8 @@ async def run(args, console: Console) -> dict:
             stub = specdecode_pb2_grpc.SpecDecodeStub(orchestrator)
             await complete(stub, make_request(prompts[0], 8, draft_tokens=4, ignore_eos=True))  # warm-up
             info = await stub.Info(common_pb2.InfoRequest())
-            runs = await sweep(lab, stub, rtts, ks, prompts, args.max_new_tokens)
+            partial = args.json.with_suffix(".partial.json") if args.json else None
+            runs = await sweep(lab, stub, rtts, ks, prompts, args.max_new_tokens, partial)
     return {"lab": "namespaces" if config.namespaces else "loopback", "dtype": args.dtype,
             "models": {role: {"model": part.model, "dtype": part.dtype, "quantization": part.quantization}
                        for role, part in (("draft", info.draft), ("target", info.target))},
@@ -75,7 +77,7 @@ async def run(args, console: Console) -> dict:
             "wall_s": round(time.monotonic() - started, 1), "runs": runs, "summary": summarize(runs, rtts)}
 
 
-async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens) -> list[dict]:
+async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens, partial: Path | None) -> list[dict]:
     runs = []
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TimeRemainingColumn())
@@ -98,6 +100,8 @@ async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens) -> list[dict]
                                  "network_seconds": round(stats.other_seconds, 3),
                                  "equals_speculation_off": done.token_ids == off_tokens})
                     progress.advance(task)
+            if partial:  # a run cut short keeps what it measured
+                partial.write_text(json.dumps(runs, indent=1) + "\n")
     return runs
 
 
