@@ -59,7 +59,8 @@ def test_first_difference():
 def test_report_figures_from_hand_built_runs():
     def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
         return {"steps": steps, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_position,
-                "draft_seconds": draft_s, "verify_seconds": verify_s, "other_seconds": 0.0}
+                "draft_seconds": draft_s, "verify_seconds": verify_s, "other_seconds": 0.0,
+                "draft_lengths": [drafted // steps] * steps}
 
     ids = [1, 2, 3, 4]
     runs = {
@@ -79,7 +80,12 @@ def test_report_figures_from_hand_built_runs():
     assert report["alpha"] == pytest.approx(4 / 6)
     assert report["mean_accepted_length"] == pytest.approx(1 + 4 / 3)
     assert report["c"] == pytest.approx(0.2 / 0.75)  # median 0.2 s per draft token / median 0.75 s per step
-    assert report["acceptance_by_position"] == pytest.approx([3 / 3, 1 / 1])
+    # position 2 was drafted in all 3 steps (K = 2 each) and accepted once
+    assert report["acceptance_by_position"] == pytest.approx([3 / 3, 1 / 3])
+    assert report["per_prompt"][0]["draft_lengths"] == [2, 2] and report["speculation_off_share"] == 0.0
+    assert report["per_prompt"][0]["c"] == pytest.approx(0.1 / 0.5)
+    assert report["median_ratios"]["specd_spec/hf_assisted"] == pytest.approx(1.0)  # 4/4 and 4/4 tokens/s
+    assert report["speedup_of_analytic_best"] == pytest.approx((4.0 / 1.6) / report["analytic_speedup"])
     assert report["greedy_match"] is True and report["hf_assisted_match"] is False
     assert report["per_prompt"][1]["first_difference"]["hf_assisted"] == 2
     assert report["per_prompt"][1]["prompt_tokens"] == 2 and report["per_prompt"][1]["kind"] == "prose"
@@ -174,7 +180,8 @@ async def test_command_line_writes_json_and_plot(tiny_stack, tiny_dirs, tmp_path
 
 def test_quick_takes_the_first_prompts_and_fewer_tokens():
     args = argparse.Namespace(quick=True, prompts=None, max_new_tokens=None, draft_tokens=4, timeout=600.0,
-                              dtype=None, threads=None, draft_model="draft", target_model="target", server=None)
+                              dtype=None, threads=None, draft_model="draft", target_model="target", server=None,
+                              draft_quantize="auto")
     settings = bench_cli._settings(args, bench)
     assert len(settings.prompts) == bench.QUICK_PROMPTS and settings.max_new_tokens == bench.QUICK_TOKENS
     args.quick = False

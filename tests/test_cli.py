@@ -27,7 +27,9 @@ def test_generate_json_on_an_embedded_stack_matches_target_only(tiny_dirs):
     output = json.loads(result.stdout)
     assert set(output) >= {"text", "token_ids", "finish_reason", "usage", "stats", "baseline", "speedup_vs_target"}
     assert output["usage"]["completion_tokens"] == len(output["token_ids"]) <= 12
-    assert output["stats"]["draft_tokens"] == 4 and output["stats"]["drafted"] > 0
+    stats = output["stats"]
+    assert stats["adaptive"] and stats["draft_tokens"] == 8  # K chosen every step, up to 8 (the default)
+    assert len(stats["draft_lengths"]) == stats["steps"] and sum(stats["draft_lengths"]) == stats["drafted"] > 0
     assert 0 <= output["stats"]["acceptance_rate"] <= 1
     assert output["baseline"]["same_text"] is True  # greedy speculative == target-only
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before

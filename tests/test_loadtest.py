@@ -59,17 +59,23 @@ def test_request_result_ttft_tpot_e2e():
                                   completion_tokens=1).tpot is None
 
 
-def test_speculation_summary_uses_steps_as_the_per_position_denominator():
+def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
     stats = [
-        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=4, drafted=12, accepted=6, accepted_per_position=[3, 2, 1]),
-        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=6, drafted=18, accepted=4, accepted_per_position=[3, 1]),
+        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=4, drafted=12, accepted=6, accepted_per_position=[3, 2, 1],
+                                        draft_lengths=[3, 3, 3, 3]),
+        # adaptive: K varied, and two steps ran target-only
+        specdecode_pb2.SpeculationStats(draft_tokens=8, adaptive=True, steps=6, drafted=6, accepted=4,
+                                        accepted_per_position=[3, 1], draft_lengths=[0, 1, 2, 3, 0, 0]),
     ]
     summary = loadtest.speculation_summary(stats)
-    assert summary["acceptance_rate"] == pytest.approx(10 / 30)
+    assert summary["acceptance_rate"] == pytest.approx(10 / 18)
     assert summary["mean_accepted_length"] == pytest.approx(1 + 10 / 10)
-    assert summary["acceptance_by_position"] == pytest.approx([6 / 10, 3 / 10, 1 / 10])
-    off = loadtest.speculation_summary([specdecode_pb2.SpeculationStats(draft_tokens=0, steps=8)])
-    assert off == {"acceptance_rate": None, "mean_accepted_length": 1.0, "acceptance_by_position": []}
+    assert summary["acceptance_by_position"] == pytest.approx([6 / 7, 3 / 6, 1 / 5])
+    assert summary["speculation_off_share"] == pytest.approx(3 / 10)
+    assert summary["mean_draft_length"] == pytest.approx(18 / 7)
+    off = loadtest.speculation_summary([specdecode_pb2.SpeculationStats(draft_tokens=0, steps=8, draft_lengths=[0] * 8)])
+    assert off == {"acceptance_rate": None, "mean_accepted_length": 1.0, "acceptance_by_position": [],
+                   "speculation_off_share": 1.0, "mean_draft_length": None}
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate():

@@ -84,7 +84,7 @@ async def test_openai_completion_equals_grpc_greedy(tiny_http):
     assert choice.text == expected and choice.finish_reason == "length"
     assert completion.usage.completion_tokens == 16 and completion.usage.prompt_tokens == final.usage.prompt_tokens
     stats = completion.model_extra["specd"]
-    assert stats["draft_tokens"] == 4 and stats["drafted"] > 0
+    assert stats["draft_tokens"] == 8 and stats["drafted"] > 0  # adaptive K, up to 8
     assert stats["accepted"] == sum(stats["accepted_per_position"]) and 0 <= stats["acceptance_rate"] <= 1
 
 

@@ -390,7 +390,8 @@ def speculation(stats: Stats, trace: bool = False) -> dict:
     """The request's speculation stats (the gRPC Final's SpeculationStats, plus drafts and network
     seconds); with `trace`, also [draft, verify, network] seconds of each step."""
     answer = {
-        "draft_tokens": stats.draft_tokens, "steps": stats.steps, "drafts": stats.drafting_steps,
+        "draft_tokens": stats.draft_tokens, "adaptive": stats.adaptive, "draft_lengths": stats.draft_lengths,
+        "steps": stats.steps, "drafts": stats.drafting_steps,
         "drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
         "mean_accepted_length": stats.mean_accepted_length, "accepted_per_position": stats.accepted_per_position,
         "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,

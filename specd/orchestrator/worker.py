@@ -95,18 +95,36 @@ class WorkerPool:
                 f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"))
             return
         request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
+        tried: set[int] = set()
+        while True:
+            index = self._least_busy(tried)
+            tried.add(index)
+            started = False
+            try:
+                async for event in self._stream(index, request):
+                    started = True
+                    yield event
+                return
+            except RayActorError as error:
+                await self._release(request.session_id)
+                if started or len(tried) == len(self.actors):
+                    yield Failed("UNAVAILABLE", (
+                        f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
+                        f"by itself: retry the request"))
+                    return
+                # Nothing was sent yet (the actor is still restarting): another actor serves it.
+
+    def _least_busy(self, skip: set[int]) -> int:
         count, first = len(self.actors), next(self._turns)
-        index = min(((first + i) % count for i in range(count)), key=lambda i: self.in_flight[i])
+        candidates = [(first + i) % count for i in range(count) if (first + i) % count not in skip]
+        return min(candidates, key=lambda i: self.in_flight[i])
+
+    async def _stream(self, index: int, request: GenerationRequest):
         self.in_flight[index] += 1
         stream = self.actors[index].generate.options(num_returns="streaming").remote(request)
         try:
             async for ref in stream:
                 yield await ref
-        except RayActorError as error:
-            await self._release(request.session_id)
-            yield Failed("UNAVAILABLE", (
-                f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
-                f"by itself: retry the request"))
         finally:
             self.in_flight[index] -= 1
             ray.cancel(stream)  # a no-op when it finished; on a client cancel it stops the loop
