@@ -60,7 +60,8 @@ def test_report_figures_from_hand_built_runs():
     def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
         return {"steps": steps, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_position,
                 "draft_seconds": draft_s, "verify_seconds": verify_s, "other_seconds": 0.0,
-                "draft_lengths": [drafted // steps] * steps}
+                "draft_lengths": [drafted // steps] * steps,
+                "step_draft_seconds": [draft_s / steps] * steps, "step_verify_seconds": [verify_s / steps] * steps}
 
     ids = [1, 2, 3, 4]
     runs = {
@@ -86,6 +87,12 @@ def test_report_figures_from_hand_built_runs():
     assert report["per_prompt"][0]["c"] == pytest.approx(0.1 / 0.5)
     assert report["median_ratios"]["specd_spec/hf_assisted"] == pytest.approx(1.0)  # 4/4 and 4/4 tokens/s
     assert report["speedup_of_analytic_best"] == pytest.approx((4.0 / 1.6) / report["analytic_speedup"])
+    # per step: decode 0.5 / 1.0 s (median 0.75), drafts 0.1, 0.1, 0.3 s per token, Verify(K=2) 0.25, 0.25, 0.5 s
+    assert report["measured_costs"] == {"target_step_s": 0.75, "draft_token_s": pytest.approx(0.1),
+                                        "verify_s_by_k": {2: 0.25}}
+    tokens = 1 + 2 / 3 + (2 / 3) ** 2  # E[tokens](K = 2) at α = 2/3
+    assert report["achievable_speedup"] == pytest.approx(tokens * 0.75 / (2 * 0.1 + 0.25))
+    assert report["achievable_best_k"] == 2
     assert report["greedy_match"] is True and report["hf_assisted_match"] is False
     assert report["per_prompt"][1]["first_difference"]["hf_assisted"] == 2
     assert report["per_prompt"][1]["prompt_tokens"] == 2 and report["per_prompt"][1]["kind"] == "prose"

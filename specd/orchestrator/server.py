@@ -110,6 +110,8 @@ def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
         stats=specdecode_pb2.SpeculationStats(
             draft_tokens=stats.draft_tokens, adaptive=stats.adaptive, draft_lengths=stats.draft_lengths,
             drafting_steps=stats.drafting_steps, network_seconds=stats.network_seconds,
+            step_draft_seconds=[step[0] for step in stats.step_seconds],
+            step_verify_seconds=[step[1] for step in stats.step_seconds],
             steps=stats.steps, drafted=stats.drafted, accepted=stats.accepted,
             acceptance_rate=stats.acceptance_rate, mean_accepted_length=stats.mean_accepted_length,
             accepted_per_position=stats.accepted_per_position, draft_seconds=stats.draft_seconds,

@@ -60,7 +60,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds")
+    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds", "step_draft_seconds", "step_verify_seconds")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +78,8 @@ class SpeculationStats(_message.Message):
     DRAFT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
     DRAFTING_STEPS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    STEP_VERIFY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     steps: int
     drafted: int
@@ -95,7 +97,9 @@ class SpeculationStats(_message.Message):
     draft_lengths: _containers.RepeatedScalarFieldContainer[int]
     drafting_steps: int
     network_seconds: float
-    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ...) -> None: ...
+    step_draft_seconds: _containers.RepeatedScalarFieldContainer[float]
+    step_verify_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ..., step_draft_seconds: _Optional[_Iterable[float]] = ..., step_verify_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
     __slots__ = ("draft", "target", "default_draft_tokens", "workers", "adaptive_draft_tokens", "max_draft_tokens")
