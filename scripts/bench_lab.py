@@ -97,7 +97,7 @@ async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens, partial: Path
                     runs.append({"rtt_ms": rtt, "prompt": prompt_index, "k": k, "seconds": round(seconds, 3),
                                  "tokens": len(done.token_ids), "tokens_per_s": round(len(done.token_ids) / seconds, 3),
                                  "acceptance_rate": round(stats.acceptance_rate, 3), "steps": stats.steps,
-                                 "network_seconds": round(stats.other_seconds, 3),
+                                 "network_seconds": round(stats.network_seconds, 3),
                                  "equals_speculation_off": done.token_ids == off_tokens})
                     progress.advance(task)
             if partial:  # a run cut short keeps what it measured

@@ -34,7 +34,7 @@ async def check_lab(lab: Lab, draft_host_ip: str, target_host_ip: str) -> None:
             assert speculative.final.stats.drafted > 0 and baseline.final.stats.drafted == 0
             # every target step crossed the proxy: at least one RTT per token, speculation off
             assert baseline_s >= NEW_TOKENS * RTT_MS / 1000
-            assert speculative.final.stats.other_seconds >= speculative.final.stats.steps * RTT_MS / 1000 * 0.9
+            assert speculative.final.stats.network_seconds >= speculative.final.stats.steps * RTT_MS / 1000 * 0.9
 
 
 def lab_config(tiny_dirs, namespaces: bool) -> LabConfig:
