@@ -48,6 +48,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--loopback", action="store_true", help="the loopback lab even where namespaces work")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--replot", type=Path, metavar="JSON", help="only redraw --plot from a saved report")
     return parser.parse_args()
 
 
@@ -146,20 +147,25 @@ def save_plot(report: dict, path: Path) -> None:
 
     figure, (by_k, speedup) = plt.subplots(1, 2, figsize=(12, 4.5))
     ks = report["ks"][1:]
-    for row in report["summary"]:
-        line, = by_k.plot(ks, [row["tokens_per_s_by_k"][k] for k in ks], marker="o", label=f"RTT {row['rtt_ms']:g} ms")
+    summary = report["summary"]
+    for row in summary:
+        measured = {int(k): value for k, value in row["tokens_per_s_by_k"].items()}  # JSON keys are strings
+        line, = by_k.plot(ks, [measured[k] for k in ks], marker="o", label=f"RTT {row['rtt_ms']:g} ms")
         by_k.axhline(row["off_tokens_per_s"], color=line.get_color(), linestyle="--", linewidth=1)
     by_k.set(xlabel="K (draft tokens per step)", ylabel="tokens/s", title="speculative (solid) vs off (dashed)")
     by_k.legend()
-    rtts = [row["rtt_ms"] for row in report["summary"]]
-    speedup.plot(rtts, [row["best_speedup"] for row in report["summary"]], marker="o")
-    for row in report["summary"]:
+    rtts = [row["rtt_ms"] for row in summary]
+    speedup.plot(rtts, [row["best_speedup"] for row in summary], marker="o")
+    for row in summary:
         speedup.annotate(f"K={row['best_k']}", (row["rtt_ms"], row["best_speedup"]), textcoords="offset points",
                          xytext=(0, 6), ha="center")
     speedup.axhline(1.0, color="grey", linestyle=":")
-    speedup.set(xscale="symlog", xlabel="round-trip time, ms", ylabel="best speculative / off",
-                title="speed-up at the best K")
-    figure.suptitle(f"specd network lab ({report['lab']}, {report['dtype']}, {report['max_new_tokens']} tokens)")
+    speedup.set_xscale("symlog", linthresh=1)
+    speedup.set_xlim(0, max(rtts) * 1.5)
+    speedup.margins(y=0.15)
+    speedup.set(xlabel="round-trip time, ms", ylabel="best speculative / off", title="speed-up at the best K")
+    figure.suptitle(f"specd network lab ({report['lab']}, {report['dtype']}, {len(report['prompts'])} prompt(s) x "
+                    f"{report['max_new_tokens']} tokens)")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 
@@ -169,6 +175,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` tears the lab down like Ctrl-C
     args = parse_args()
     console = Console()
+    if args.replot:
+        save_plot(json.loads(args.replot.read_text()), args.plot)
+        return
     report = asyncio.run(run(args, console))
     print_summary(report, console)
     write_report(console, report, args.json, args.plot, save_plot)
