@@ -55,3 +55,25 @@ async def test_eos_ends_a_chat_answer(real_stack):
     result = await complete(real_stack.client, make_request(prompt, 32, draft_tokens=4))
     assert result.final.finish_reason == "stop"
     assert result.final.usage.completion_tokens < 32 and "yes" in result.text.lower()
+
+
+async def test_adaptive_k_over_an_int4_draft_equals_speculation_off(real_float32, ray_local, baselines):
+    """The defaults of a CPU deployment (an int4 draft, K chosen every step) with a float32 target: exact."""
+    from conftest import start_stack, stop_stack
+
+    from specd.model.loading import load_model
+
+    draft = load_model("draft", "float32", quantization="int4")
+    stack = await start_stack(draft, real_float32["target"])
+    try:
+        drafted = accepted = 0
+        for prompt in PROMPTS:
+            result = await complete(stack.client, make_request(prompt, NEW_TOKENS, ignore_eos=True))
+            assert result.token_ids == baselines[prompt].token_ids, prompt
+            stats = result.final.stats
+            assert stats.adaptive and len(stats.draft_lengths) == stats.steps
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        # Each fresh worker drafts once to measure (whether it then stays on depends on this CPU).
+        assert drafted > 0 and accepted > 0
+    finally:
+        await stop_stack(stack)
