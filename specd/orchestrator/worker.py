@@ -8,6 +8,7 @@ actor died with UNAVAILABLE (the actor restarts and serves the next requests).
 """
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import uuid
@@ -101,9 +102,12 @@ class WorkerPool:
             tried.add(index)
             started = False
             try:
-                async for event in self._stream(index, request):
-                    started = True
-                    yield event
+                # aclosing: a client cancel closes this generator, and must close the actor's stream
+                # now (ray.cancel in _stream), not whenever the garbage collector gets to it.
+                async with contextlib.aclosing(self._stream(index, request)) as events:
+                    async for event in events:
+                        started = True
+                        yield event
                 return
             except RayActorError as error:
                 await self._release(request.session_id)
