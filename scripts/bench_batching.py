@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from specd.deploy.local import LocalStack, StackConfig
-from specd.loadtest import Settings, load_prompts, run_loadtest
+from specd.bench.loadtest import Settings, load_prompts, run_loadtest
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 SETTINGS = {"batching off": ["--max-batch-size", "1"], "batching on": []}

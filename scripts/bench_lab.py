@@ -1,6 +1,6 @@
 """Lab benchmark: tokens/s against round-trip time and K, speculative vs speculation off.
 
-The network lab (specd/deploy/lab.py: draft, target and orchestrator on three namespaced hosts of one
+The network lab (deploy/lab.py: draft, target and orchestrator on three namespaced hosts of one
 Ray cluster; the loopback variant where namespaces are refused) with the orchestrator reaching both
 services through delay proxies. For each RTT, each prompt runs with K = 0 (speculation off) and each
 K, batch 1, greedy; tokens/s = completion tokens / the request's wall time at the client.
@@ -28,7 +28,7 @@ from rich.progress import (
 from rich.table import Table
 
 from specd.cli.common import write_report
-from specd.client import channel, complete, make_request
+from specd.proto.client import channel, complete, make_request
 from specd.deploy.lab import Lab, LabConfig, namespaces_refused
 from specd.v1 import common_pb2, specdecode_pb2_grpc
 

@@ -12,11 +12,12 @@ import time
 
 import torch
 
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.draft_service.engine import DraftEngine, ProposeCall
 from specd.model.loading import default_dtype, load_model
 from specd.model.sampling import Sampling
-from specd.model.sessions import Cursor, Limits
+from specd.proto.limits import Limits
+from specd.model.sessions import Cursor
 from specd.target_service.engine import TargetEngine, VerifyCall
 
 

@@ -23,14 +23,15 @@ import time
 import grpc
 import torch
 
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.draft_service.engine import DraftEngine, ProposeCall
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import default_dtype, load_model
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Scheduler
-from specd.model.sessions import Cursor, Limits
-from specd.serving import model_info
+from specd.proto.limits import Limits
+from specd.model.sessions import Cursor
+from specd.serving.server import model_info
 from specd.target_service.engine import TargetEngine, VerifyCall
 from specd.target_service.server import create_target_server
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc

@@ -20,8 +20,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from specd.bench import load_prompts
-from specd.loadtest import DEFAULT_PROMPTS
+from specd.bench.peers import load_prompts
+from specd.bench.loadtest import DEFAULT_PROMPTS
 from specd.model.loading import load_model
 
 SCHEMES = ("none", "int8", "int4")

@@ -10,7 +10,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from specd.draft_service.engine import DraftEngine
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import load_model
-from specd.model.sessions import Limits
+from specd.proto.limits import Limits
 from specd.model.store import resolve_model
 from specd.target_service.engine import TargetEngine
 from specd.target_service.server import create_target_server
@@ -86,7 +86,7 @@ def real_float32():
     """The real default pair in float32, loaded once per test session: {"draft": ..., "target": ...}.
 
     float32 because greedy speculation then matches plain greedy decoding token for token
-    (DESIGN.md §7: bf16's batched scoring may change rounding). Needs `specd models fetch`.
+    (docs/architecture.md §7: bf16's batched scoring may change rounding). Needs `specd models fetch`.
     """
     return {role: load_model(role, "float32") for role in ("draft", "target")}
 

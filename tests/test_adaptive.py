@@ -3,7 +3,7 @@
 Costs are in units of one target step (t_verify = 1 for every K: the textbook premise), so
 c = t_draft and RTT is per call. Expected K values were worked out by brute force over
 E[tokens](K) / (K·c + t_verify + RTT·calls) and spot-checked by hand: α = 0.9, c = 0.4 gives
-K = 4 at 1.58× (DESIGN.md §7's "about 1.6× at K = 4"); α = 0.5, c = 0.4: K = 1 gives 1.5/1.4 =
+K = 4 at 1.58× (docs/architecture.md §7's "about 1.6× at K = 4"); α = 0.5, c = 0.4: K = 1 gives 1.5/1.4 =
 1.07, K = 2 gives 1.75/1.8 = 0.97; α = 0.3, c = 0.5: K = 1 gives 1.3/1.5 < 1, so off.
 """
 
@@ -27,7 +27,7 @@ def measured_costs(t_draft: float, verify: dict[int, float], rtt: float = 0.0, a
     (0.9, 0.1, 0.0, 8),   # cheap draft, high acceptance: the longest K allowed
     (0.95, 0.05, 0.0, 8),
     (1.0, 0.1, 0.0, 8),
-    (0.9, 0.4, 0.0, 4),   # this pair in bf16 (DESIGN.md §7)
+    (0.9, 0.4, 0.0, 4),   # this pair in bf16 (docs/architecture.md §7)
     (0.8, 0.15, 0.0, 5),
     (0.6, 0.1, 0.0, 3),
     (0.5, 0.4, 0.0, 1),

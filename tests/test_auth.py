@@ -13,11 +13,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.auth import ClientSecurity, ServerSecurity
+from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.deploy.local import free_port
 from specd.draft_service.engine import DraftEngine
 from specd.draft_service.server import create_draft_server
-from specd.model.sessions import Limits
+from specd.proto.limits import Limits
 from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
 from specd.target_service.engine import TargetEngine
@@ -110,7 +110,7 @@ async def test_health_stays_open_without_a_token_but_not_without_tls(secured, ce
 
 async def test_specd_generate_sends_the_token_and_trusts_the_ca(secured, certificate):
     """The CLI client with SPECD_TOKEN, and --token over it; a wrong token is a clear error."""
-    base = [sys.executable, "-m", "specd", "generate", "def f(x):", "--server", secured["orchestrator"], "--json",
+    base = [sys.executable, "-m", "specd.cli", "generate", "def f(x):", "--server", secured["orchestrator"], "--json",
             "--no-baseline", "--max-new-tokens", "4", "--tls-ca", str(certificate["cert"])]
 
     async def run(*extra, env_token=None):
@@ -133,7 +133,7 @@ async def test_specd_serve_takes_token_and_tls_flags(tiny_dirs, certificate, tmp
     port = free_port()
     log = open(tmp_path / "draft.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "specd", "serve", "draft", "--model", str(tiny_dirs["draft"]), "--dtype", "float32",
+        [sys.executable, "-m", "specd.cli", "serve", "draft", "--model", str(tiny_dirs["draft"]), "--dtype", "float32",
          "--threads", "1", "--port", str(port), "--no-metrics", "--tls-cert", str(certificate["cert"]),
          "--tls-key", str(certificate["key"])],
         env={**os.environ, "SPECD_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,5 +1,5 @@
 """Bad input on every public RPC, one table: the right status code, a message a user can act on,
-a server that stays healthy, and nothing left behind (DESIGN.md §5)."""
+a server that stays healthy, and nothing left behind (docs/architecture.md §5)."""
 
 from dataclasses import dataclass
 from typing import Callable
@@ -8,7 +8,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, specdecode_pb2, target_pb2
 
 PROMPT = [785, 8251, 7640, 389, 279, 5837, 13, 576]

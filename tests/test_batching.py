@@ -8,12 +8,13 @@ import pytest
 import torch
 
 from conftest import start_services
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.draft_service.engine import DraftEngine, ProposeCall
 from specd.model.errors import SessionNotFound
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Bounds, Job, Scheduler
-from specd.model.sessions import Cursor, Limits
+from specd.proto.limits import Limits
+from specd.model.sessions import Cursor
 from specd.target_service.engine import TargetEngine, VerifyCall
 from specd.v1 import common_pb2, target_pb2
 

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from specd import bench
+from specd.bench import peers as bench
 from specd.cli import bench as bench_cli
 from specd.model.loading import load_model
 
@@ -40,7 +40,7 @@ def test_expected_speedup_and_analytic_best_on_hand_numbers():
     # best over K = 1..8: K = 6, (1 - 0.8^7) / (0.2 · 1.6) = 0.7902848 / 0.32 ≈ 2.4696
     best, k = bench.analytic_best(0.8, 0.1)
     assert k == 6 and best == pytest.approx(0.7902848 / 0.32)
-    # DESIGN.md §7's pair: α ≈ 0.9, c ≈ 0.4 gives about 1.6× at K = 4
+    # docs/architecture.md §7's pair: α ≈ 0.9, c ≈ 0.4 gives about 1.6× at K = 4
     best, k = bench.analytic_best(0.9, 0.4)
     assert (k, round(best, 2)) == (4, 1.58)
     # α = 1: every guess lands, K + 1 tokens per step; α = 0: one token per step, so K = 1 is best
@@ -206,6 +206,6 @@ def test_command_line_rejects_bad_flags(tmp_path):
 
 
 def bench_cli_default_prompts():
-    from specd.loadtest import DEFAULT_PROMPTS
+    from specd.bench.loadtest import DEFAULT_PROMPTS
 
     return DEFAULT_PROMPTS

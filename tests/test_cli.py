@@ -9,7 +9,7 @@ import psutil
 
 
 def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_help_lists_every_command():

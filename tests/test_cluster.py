@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from specd.client import channel, complete, make_request
+from specd.proto.client import channel, complete, make_request
 from specd.deploy.cluster import placement
 from specd.deploy.lab import Lab, LabConfig, process_alive
 from specd.orchestrator.remote import wait_until_serving

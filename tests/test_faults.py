@@ -19,9 +19,9 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.auth import ServerSecurity
+from specd.proto.auth import ServerSecurity
 from specd.deploy.local import free_port
-from specd.model.sessions import Limits
+from specd.proto.limits import Limits
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
@@ -80,7 +80,7 @@ class DraftProcess:
         self.process: subprocess.Popen | None = None
 
     def spawn(self) -> None:
-        command = [sys.executable, "-m", "specd", "serve", "draft", "--model", str(self.model_dir), "--dtype", "float32",
+        command = [sys.executable, "-m", "specd.cli", "serve", "draft", "--model", str(self.model_dir), "--dtype", "float32",
                    "--threads", "1", "--port", str(self.port), "--no-metrics"]
         self.process = subprocess.Popen(command, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, start_new_session=True)

@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 VOCAB = 151_936

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from specd.client import channel, complete, make_request
+from specd.proto.client import channel, complete, make_request
 from specd.deploy.lab import Lab, LabConfig, namespaces_refused, process_alive
 from specd.v1 import specdecode_pb2_grpc
 

@@ -1,4 +1,4 @@
-"""Limits answer RESOURCE_EXHAUSTED (or INVALID_ARGUMENT for a too-long prompt, DESIGN.md §5)
+"""Limits answer RESOURCE_EXHAUSTED (or INVALID_ARGUMENT for a too-long prompt, docs/architecture.md §5)
 before memory runs out, each set the way `specd serve` sets it, each tested on tiny models."""
 
 import asyncio
@@ -9,7 +9,7 @@ import pytest
 
 from specd.draft_service.engine import DraftEngine
 from specd.draft_service.server import create_draft_server
-from specd.model.sessions import Limits
+from specd.proto.limits import Limits
 from specd.orchestrator.server import OrchestratorServer
 from specd.target_service.engine import TargetEngine
 from specd.target_service.server import create_target_server

@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from specd import loadtest
+from specd.bench import loadtest
 from specd.cli import loadtest as loadtest_cli
 from specd.v1 import specdecode_pb2
 

@@ -17,7 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specd.deploy.local import free_port
-from specd.metrics import start_exporter
+from specd.proto.metrics import start_exporter
 from specd.orchestrator.openai_api import HttpApi
 from specd.v1 import common_pb2, specdecode_pb2
 
@@ -331,7 +331,7 @@ def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
     """`specd up` as a user runs it (three processes): the printed addresses answer."""
     ports = {flag: free_port() for flag in ("--port", "--draft-port", "--target-port", "--http-port", "--metrics-port",
                                             "--draft-metrics-port", "--target-metrics-port")}
-    command = [sys.executable, "-m", "specd", "up", "--dtype", "float32", "--workers", "1",
+    command = [sys.executable, "-m", "specd.cli", "up", "--dtype", "float32", "--workers", "1",
                "--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"]),
                *(str(item) for pair in ports.items() for item in pair)]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,

@@ -1,4 +1,4 @@
-"""The committed stubs in specd/v1/ are exactly what proto/generate.sh makes from the .proto files."""
+"""The committed stubs in proto/specd/v1/ are exactly what proto/generate.sh makes from the .proto files."""
 
 import difflib
 import os
@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "specd" / "v1"
+COMMITTED = ROOT / "proto" / "specd" / "v1"
 STUB_NAME = re.compile(r".+_pb2(_grpc)?\.pyi?")
-FIX = "the committed stubs are stale: run proto/generate.sh (with the project's .venv) and commit specd/v1/"
+FIX = "the committed stubs are stale: run proto/generate.sh (with the project's .venv) and commit proto/specd/v1/"
 
 
 def _stub_files(folder: Path) -> set[str]:
@@ -32,15 +32,15 @@ def test_committed_stubs_match_generated_ones(tmp_path):
         relative = path.relative_to(generated_dir)
         committed = COMMITTED / relative
         if not committed.is_file():
-            problems.append(f"specd/v1/{relative} is missing")
+            problems.append(f"proto/specd/v1/{relative} is missing")
         elif committed.read_bytes() != path.read_bytes():
             diff = difflib.unified_diff(
                 committed.read_text(errors="replace").splitlines(), path.read_text(errors="replace").splitlines(),
-                f"committed specd/v1/{relative}", f"generated specd/v1/{relative}", lineterm="", n=1,
+                f"committed proto/specd/v1/{relative}", f"generated proto/specd/v1/{relative}", lineterm="", n=1,
             )
-            problems.append(f"specd/v1/{relative} differs:\n" + "\n".join(list(diff)[:20]))
+            problems.append(f"proto/specd/v1/{relative} differs:\n" + "\n".join(list(diff)[:20]))
 
     orphans = _stub_files(COMMITTED) - {path.name for path in generated if path.parent == generated_dir}
-    problems += [f"specd/v1/{name} has no .proto source (delete it)" for name in sorted(orphans)]
+    problems += [f"proto/specd/v1/{name} has no .proto source (delete it)" for name in sorted(orphans)]
 
     assert not problems, f"{FIX}\n" + "\n".join(problems)

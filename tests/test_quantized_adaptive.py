@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from specd.model.loading import load_model
-from specd.model.sessions import Limits
+from specd.proto.limits import Limits
 from specd.v1 import common_pb2
 from conftest import start_stack, stop_stack
 from test_orchestrator import PROMPTS, generate, request

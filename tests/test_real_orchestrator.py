@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from specd.client import complete, make_request
+from specd.proto.client import complete, make_request
 
 pytestmark = pytest.mark.real
 

@@ -1,5 +1,5 @@
 """The real Qwen2.5-Coder pair (float32): one tokenizer, sensible output, and greedy speculation
-over real gRPC that emits exactly the target's own greedy tokens (DESIGN.md §1, §3, §6).
+over real gRPC that emits exactly the target's own greedy tokens (docs/architecture.md §1, §3, §6).
 
 Slow: the pair is loaded once per session (conftest's `real_float32`), the services once per module.
 """
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import start_services
-from specd.contract import fingerprint
+from specd.proto.contract import fingerprint
 from specd.model.loading import tokenizer_fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 

@@ -10,8 +10,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from conftest import start_services
-from specd.contract import HELD_TOKENS_KEY, fingerprint
-from specd.model.sessions import Limits
+from specd.proto.contract import HELD_TOKENS_KEY, fingerprint
+from specd.proto.limits import Limits
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 PROMPT = [785, 8251, 7640, 389, 279, 5837, 13, 576]

@@ -32,7 +32,7 @@ async def process_stack(tiny_dirs, ray_local, tmp_path_factory):
     for role in ("draft", "target"):
         port = free_port()
         processes[role] = subprocess.Popen(
-            [sys.executable, "-m", "specd", "serve", role, "--model", str(tiny_dirs[role]), "--dtype", "float32",
+            [sys.executable, "-m", "specd.cli", "serve", role, "--model", str(tiny_dirs[role]), "--dtype", "float32",
              "--threads", "1", "--port", str(port), "--no-metrics", "--max-sessions", "32"],
             stdout=open(logs / f"{role}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
         addresses[role] = f"127.0.0.1:{port}"

@@ -1,0 +1,412 @@
+"""Load-testing harness for `specd.v1.SpecDecode/Generate`.
+
+Two ways to offer load:
+
+- closed loop (`closed_loop`): C workers, each sending its next request as soon as its
+  previous one ends, until N requests are done; swept over several C.
+- open loop (`open_loop`): N requests arriving as a Poisson process at R requests/s
+  (exponential inter-arrival times from a seeded generator), whatever is in flight.
+
+Per run it reports (docs/architecture.md §2 words): TTFT (request start to the first delta that
+carries tokens), TPOT ((e2e - TTFT) / (completion tokens - 1)), inter-token latency (each
+token of a delta gets the gap since the previous delta divided by the tokens the delta
+carried), end-to-end latency, each as mean/p50/p90/p99; output tokens/s and requests/s
+over the run's wall time; errors by gRPC status code name; acceptance rate α = accepted /
+drafted; mean accepted length 1 + accepted / steps; and acceptance by draft position
+(steps whose draft token i was accepted / steps that drafted position i).
+
+Requests cycle through a prompts file (JSON lines, `{"prompt": ..., "kind": ...}`) and ask
+for `ignore_eos` by default, so every request yields exactly max_new_tokens and runs are
+comparable. Every request is bounded by a timeout; failures are counted, never raised.
+Everything here is asyncio: run it with `asyncio.run`, or await it on a running loop.
+"""
+
+import asyncio
+import itertools
+import json
+import math
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import grpc
+import numpy as np
+
+from specd.proto.client import channel, make_request
+from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+
+# start(label, total) -> advance(): how a caller shows progress (None: no progress shown).
+ProgressHook = Callable[[str, int], Callable[[], None]]
+
+
+class PromptsError(ValueError):
+    """The prompts file is missing or malformed."""
+
+
+@dataclass
+class Settings:
+    """What every request of a load test asks for, and where it goes."""
+
+    server: str
+    prompts: list[str]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    draft_tokens: int | None = None  # None: the server's default K; 0: speculation off
+    ignore_eos: bool = True
+    timeout: float = 600.0
+
+
+@dataclass
+class RequestResult:
+    """One Generate call as the client saw it (perf_counter seconds)."""
+
+    started: float
+    ended: float = 0.0
+    delta_times: list[float] = field(default_factory=list)  # arrival of each delta that carried tokens
+    delta_tokens: list[int] = field(default_factory=list)  # tokens each of those deltas carried
+    completion_tokens: int = 0
+    stats: specdecode_pb2.SpeculationStats | None = None
+    error: str | None = None  # gRPC status code name, or the exception's class name
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def e2e(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def ttft(self) -> float | None:
+        return self.delta_times[0] - self.started if self.delta_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[str]:
+    """The `prompt` of every line of a JSON-lines file, in order."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError(f"prompts file {path} not found (give one with --prompts FILE.jsonl)")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            prompts.append(_prompt_of(line, path, number))
+    if not prompts:
+        raise PromptsError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def _prompt_of(line: str, path: Path, number: int) -> str:
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise PromptsError(f"{path}:{number}: expected a JSON object with a \"prompt\" string ({error})") from error
+    if not isinstance(prompt, str) or not prompt:
+        raise PromptsError(f"{path}:{number}: \"prompt\" must be a non-empty string")
+    return prompt
+
+
+# ---------------------------------------------------------------- statistics
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    """mean, p50, p90, p99 (linear interpolation); all None for no values."""
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    p50, p90, p99 = np.percentile(np.asarray(values, dtype=float), [50, 90, 99])
+    return {"mean": float(np.mean(values)), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def inter_token_latencies(delta_times: list[float], delta_tokens: list[int]) -> list[float]:
+    """One latency per token after the first delta: the gap to the previous delta / tokens carried."""
+    latencies = []
+    for previous, now, tokens in zip(delta_times, delta_times[1:], delta_tokens[1:]):
+        latencies += [(now - previous) / tokens] * tokens
+    return latencies
+
+
+def arrival_offsets(rate: float, count: int, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each of `count` Poisson arrivals at `rate`/s is sent."""
+    rng = random.Random(seed)
+    offsets, at = [], 0.0
+    for _ in range(count):
+        offsets.append(at)
+        at += rng.expovariate(rate)
+    return offsets
+
+
+def acceptance_by_position(stats: list[specdecode_pb2.SpeculationStats]) -> list[float]:
+    """For draft position i: steps whose guess i was accepted / steps that drafted a guess i (K > i)."""
+    width = max((len(s.accepted_per_position) for s in stats), default=0)
+    rates = []
+    for position in range(width):
+        accepted = sum(s.accepted_per_position[position] for s in stats if len(s.accepted_per_position) > position)
+        drafted = sum(k > position for s in stats for k in s.draft_lengths)
+        rates.append(accepted / drafted if drafted else 0.0)
+    return rates
+
+
+def speculation_summary(stats: list[specdecode_pb2.SpeculationStats]) -> dict:
+    """α, mean accepted length, acceptance by position, and how often speculation was off (None: no data)."""
+    drafted = sum(s.drafted for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    steps = sum(s.steps for s in stats)
+    lengths = [k for s in stats for k in s.draft_lengths]
+    drafting = [k for k in lengths if k]
+    return {
+        "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "acceptance_by_position": acceptance_by_position(stats),
+        "speculation_off_share": lengths.count(0) / len(lengths) if lengths else None,  # target-only steps
+        "mean_draft_length": sum(drafting) / len(drafting) if drafting else None,  # K of the drafting steps
+    }
+
+
+def summarize_run(results: list[RequestResult], wall: float, concurrency: int | None, rate: float | None) -> dict:
+    """One entry of the report's `runs`."""
+    done = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in done)
+    return {
+        "concurrency": concurrency,
+        "rate": rate,
+        "requests": len(results),
+        "completed": len(done),
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "requests_per_s": len(done) / wall if wall > 0 else 0.0,
+        "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
+        "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
+        "itl_s": percentiles([x for r in done for x in inter_token_latencies(r.delta_times, r.delta_tokens)]),
+        "e2e_s": percentiles([r.e2e for r in done]),
+        **speculation_summary([r.stats for r in done if r.stats is not None]),
+        "errors": dict(sorted(Counter(r.error for r in results if not r.ok).items())),
+    }
+
+
+# ---------------------------------------------------------------- requests
+
+
+def build_request(settings: Settings, index: int) -> specdecode_pb2.GenerateRequest:
+    """Request number `index`: the prompts in turn, a seed of its own."""
+    prompt = settings.prompts[index % len(settings.prompts)]
+    return make_request(prompt, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                        seed=settings.seed + index, draft_tokens=settings.draft_tokens,
+                        ignore_eos=settings.ignore_eos)
+
+
+async def send_one(stub: specdecode_pb2_grpc.SpecDecodeStub, settings: Settings, index: int) -> RequestResult:
+    """Stream one request to its end, timing each delta; errors land in `error`, never raised."""
+    result = RequestResult(started=time.perf_counter())
+    try:
+        async with asyncio.timeout(settings.timeout + 5):  # the gRPC deadline should fire first
+            await _stream(stub, build_request(settings, index), settings.timeout, result)
+    except grpc.aio.AioRpcError as error:
+        result.error = error.code().name
+    except TimeoutError:
+        result.error = grpc.StatusCode.DEADLINE_EXCEEDED.name
+    except Exception as error:  # a load test counts what goes wrong and carries on
+        result.error = type(error).__name__
+    result.ended = time.perf_counter()
+    return result
+
+
+async def _stream(stub, request, timeout: float, result: RequestResult) -> None:
+    final = None
+    async for reply in stub.Generate(request, timeout=timeout):
+        if reply.HasField("final"):
+            final = reply.final
+        elif reply.delta.token_ids:
+            result.delta_times.append(time.perf_counter())
+            result.delta_tokens.append(len(reply.delta.token_ids))
+    if final is None:
+        result.error = "NO_FINAL_MESSAGE"
+        return
+    result.completion_tokens = final.usage.completion_tokens or sum(result.delta_tokens)
+    result.stats = final.stats
+
+
+# ---------------------------------------------------------------- runs
+
+
+async def closed_loop(stub, settings: Settings, concurrency: int, requests: int,
+                      advance: Callable[[], None] = lambda: None) -> dict:
+    """`concurrency` workers, each sending its next request when the previous ends, `requests` in all."""
+    indices = itertools.count()
+    results: list[RequestResult] = []
+
+    async def worker() -> None:
+        while (index := next(indices)) < requests:
+            results.append(await send_one(stub, settings, index))
+            advance()
+
+    started = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return summarize_run(results, time.perf_counter() - started, concurrency, None)
+
+
+async def open_loop(stub, settings: Settings, rate: float, requests: int,
+                    advance: Callable[[], None] = lambda: None) -> dict:
+    """`requests` requests sent at Poisson arrival times of `rate` per second, however many are in flight."""
+
+    async def tracked(index: int) -> RequestResult:
+        result = await send_one(stub, settings, index)
+        advance()
+        return result
+
+    started = time.perf_counter()
+    tasks = []
+    for index, offset in enumerate(arrival_offsets(rate, requests, settings.seed)):
+        await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
+        tasks.append(asyncio.create_task(tracked(index)))
+    results = await asyncio.gather(*tasks)
+    return summarize_run(list(results), time.perf_counter() - started, None, rate)
+
+
+async def run_loadtest(settings: Settings, requests: int, concurrency: list[int] = (), rates: list[float] = (),
+                       progress: ProgressHook | None = None, prompts_file: str | None = None) -> dict:
+    """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}."""
+    plans = [("closed", c) for c in concurrency] + [("open", r) for r in rates]
+    runs = []
+    async with channel(settings.server) as open_channel:
+        stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
+        server_info = await _server_info(stub, settings.timeout)
+        for mode, level in plans:
+            label = f"concurrency {level}" if mode == "closed" else f"rate {level:g}/s"
+            advance = progress(label, requests) if progress else (lambda: None)
+            run = closed_loop if mode == "closed" else open_loop
+            runs.append(await run(stub, settings, level, requests, advance))
+    return {"runs": runs, "settings": _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)}
+
+
+async def _server_info(stub, timeout: float) -> dict | None:
+    """The served pair and default K, for the record; None when the server does not answer."""
+    try:
+        info = await stub.Info(common_pb2.InfoRequest(), timeout=min(timeout, 10.0))
+    except grpc.aio.AioRpcError:
+        return None
+    return {"draft_model": info.draft.model, "target_model": info.target.model, "dtype": info.target.dtype,
+            "default_draft_tokens": None if info.adaptive_draft_tokens else info.default_draft_tokens,
+            "max_draft_tokens": info.max_draft_tokens, "draft_quantization": info.draft.quantization,
+            "workers": info.workers}
+
+
+def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompts_file, server_info) -> dict:
+    record = asdict(settings)
+    record["prompts"] = len(settings.prompts)
+    return {**record, "prompts_file": prompts_file, "requests": requests, "concurrency": list(concurrency),
+            "rates": list(rates), "server_info": server_info}
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def run_label(run: dict) -> str:
+    return f"C={run['concurrency']}" if run["concurrency"] is not None else f"{run['rate']:g} req/s"
+
+
+def summary_table(report: dict):
+    """A rich Table with one row per run (latencies in milliseconds)."""
+    from rich.table import Table
+
+    table = Table(title="specd loadtest")
+    for name in ("run", "ok/sent", "tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
+                 "e2e p50/p99 s", "α", "mean acc. len", "mean K", "spec off", "errors"):
+        table.add_column(name, justify="left" if name in ("run", "errors") else "right")
+    for run in report["runs"]:
+        table.add_row(*_table_row(run))
+    return table
+
+
+def _table_row(run: dict) -> list[str]:
+    errors = ", ".join(f"{code}×{n}" for code, n in run["errors"].items()) or "-"
+    return [
+        run_label(run), f"{run['completed']}/{run['requests']}", f"{run['output_tokens_per_s']:.1f}",
+        f"{run['requests_per_s']:.2f}",
+        f"{_ms(run['ttft_s']['p50'])}/{_ms(run['ttft_s']['p99'])}", _ms(run["tpot_s"]["p50"]),
+        f"{_ms(run['itl_s']['p50'])}/{_ms(run['itl_s']['p99'])}",
+        f"{_num(run['e2e_s']['p50'], 2)}/{_num(run['e2e_s']['p99'], 2)}",
+        _num(run["acceptance_rate"], 2), _num(run["mean_accepted_length"], 2), _num(run["mean_draft_length"], 1),
+        "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}", errors,
+    ]
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}f}"
+
+
+def save_plot(report: dict, path: Path | str) -> None:
+    """Three panels: output tokens/s, latencies, and acceptance by draft position, per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (throughput, latency, acceptance) = plt.subplots(1, 3, figsize=(16, 4.5))
+    _plot_throughput(throughput, report["runs"])
+    _plot_latency(latency, report["runs"])
+    _plot_acceptance(acceptance, report["runs"])
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _x_axis(runs: list[dict]) -> tuple[list[float], str]:
+    if all(run["concurrency"] is not None for run in runs):
+        return [run["concurrency"] for run in runs], "concurrency"
+    return [run["rate"] if run["rate"] is not None else run["concurrency"] for run in runs], "request rate (req/s)"
+
+
+def _plot_throughput(axes, runs: list[dict]) -> None:
+    x, label = _x_axis(runs)
+    axes.plot(x, [run["output_tokens_per_s"] for run in runs], marker="o")
+    axes.set(xlabel=label, ylabel="output tokens/s", title="throughput", xticks=x)
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+
+
+def _plot_latency(axes, runs: list[dict]) -> None:
+    x, label = _x_axis(runs)
+    plotted = []
+    for key, quantile, name in (("ttft_s", "p50", "TTFT p50"), ("tpot_s", "p50", "TPOT p50"),
+                                ("e2e_s", "p50", "e2e p50"), ("e2e_s", "p99", "e2e p99")):
+        values = [np.nan if run[key][quantile] is None else run[key][quantile] for run in runs]
+        axes.plot(x, values, marker="o", label=name)
+        plotted += values
+    axes.set(xlabel=label, ylabel="seconds", title="latency", xticks=x)
+    if np.nanmax(plotted + [0.0]) > 0:  # log scale needs a positive value
+        axes.set_yscale("log")
+    axes.grid(alpha=0.3, which="both")
+    axes.legend()
+
+
+def _plot_acceptance(axes, runs: list[dict]) -> None:
+    for run in runs:
+        rates = run["acceptance_by_position"]
+        if rates:
+            axes.plot(range(1, len(rates) + 1), rates, marker="o", label=run_label(run))
+    width = max((len(run["acceptance_by_position"]) for run in runs), default=0)
+    axes.set(xlabel="draft position", ylabel="accepted / steps", title="acceptance by draft position",
+             xticks=range(1, width + 1))
+    axes.set_ylim(0, 1.05)
+    axes.grid(alpha=0.3)
+    if axes.get_legend_handles_labels()[0]:
+        axes.legend()

@@ -1,0 +1,150 @@
+"""`specd generate PROMPT`: stream a completion, then the speculation stats and the speed-up."""
+
+import argparse
+import asyncio
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from specd.proto.auth import add_client_flags, client_security_from_args
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag
+
+
+def add_parser(verbs) -> None:
+    parser = verbs.add_parser("generate", help="generate a completion (starts an embedded stack without --server)")
+    parser.add_argument("prompt")
+    parser.add_argument("--server", default=None, metavar="HOST:PORT", help="a running orchestrator (default: start one)")
+    add_client_flags(parser, "--server")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="a fixed K (default: the server's, which chooses K every step unless started with one)")
+    parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the target-only run that measures the speed-up")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
+    parser.add_argument("--draft-model", default="draft", help="embedded stack only: the draft model")
+    parser.add_argument("--target-model", default="target", help="embedded stack only: the target model")
+    add_model_flags(parser)
+    add_quantize_flag(parser, "--draft-quantize", "draft")
+    add_quantize_flag(parser, "--target-quantize", "target")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        result = asyncio.run(_generate(args))
+    except Exception as error:  # grpc errors carry an actionable message: show it, not a traceback
+        if type(error).__name__ in ("AioRpcError", "TimeoutError", "RuntimeError", "PairMismatch"):
+            raise UserError(_describe(error)) from error
+        raise
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print_stats(result)
+    return 0
+
+
+async def _generate(args) -> dict:
+    from specd.deploy.local import LocalStack, StackConfig
+
+    stack = None
+    address = args.server
+    if address is None:
+        config = StackConfig(dtype=args.dtype, threads=args.threads, draft_model=args.draft_model,
+                             target_model=args.target_model, draft_quantize=args.draft_quantize,
+                             target_quantize=args.target_quantize)
+        stack = await LocalStack(config).start()
+        address = stack.address
+    try:
+        return await _run_requests(args, address)
+    finally:
+        if stack:
+            stack.stop()
+
+
+async def _run_requests(args, address: str) -> dict:
+    from specd.proto.client import channel, complete, make_request
+    from specd.v1 import specdecode_pb2_grpc
+
+    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                    top_k=args.top_k, seed=args.seed, stop=args.stop)
+    k = 0 if args.no_speculation else args.draft_tokens
+    try:
+        security = client_security_from_args(args)
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    async with channel(address, security) as open_channel:
+        stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
+        on_text = None if args.json else _echo
+        completion = await complete(stub, make_request(args.prompt, draft_tokens=k, **settings), on_text)
+        if not args.json:
+            print(flush=True)
+        result = _as_dict(completion)
+        if not (args.no_speculation or args.no_baseline):
+            if not args.json:
+                print("measuring target-only for comparison ...", file=sys.stderr, flush=True)
+            baseline = await complete(stub, make_request(args.prompt, draft_tokens=0, **settings))
+            base_speed = baseline.final.stats.tokens_per_s
+            result["baseline"] = {"tokens_per_s": base_speed, "same_text": baseline.text == completion.text}
+            result["speedup_vs_target"] = result["stats"]["tokens_per_s"] / base_speed if base_speed else None
+        return result
+
+
+def _echo(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def _as_dict(completion) -> dict:
+    from google.protobuf.json_format import MessageToDict
+
+    final = completion.final
+    stats = MessageToDict(final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    usage = MessageToDict(final.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    return {"text": completion.text, "token_ids": completion.token_ids, "finish_reason": final.finish_reason,
+            "usage": usage, "stats": stats}
+
+
+def _print_stats(result: dict) -> None:
+    stats = result["stats"]
+    table = Table(title="speculation", show_header=False)
+    rows = [
+        ("finish reason", result["finish_reason"]),
+        ("tokens (prompt / completion)", f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}"),
+        ("draft length K", describe_draft_lengths(stats)),
+        ("steps (target passes)", stats["steps"]),
+        ("acceptance rate α", f"{stats['acceptance_rate']:.2f}"),
+        ("mean accepted length", f"{stats['mean_accepted_length']:.2f}"),
+        ("accepted by draft position", " ".join(map(str, stats["accepted_per_position"]))),
+        ("seconds draft / verify / other", f"{stats['draft_seconds']:.2f} / {stats['verify_seconds']:.2f} / {stats['other_seconds']:.2f}"),
+        ("tokens/s", f"{stats['tokens_per_s']:.2f}"),
+    ]
+    if "baseline" in result:
+        rows.append(("target-only tokens/s", f"{result['baseline']['tokens_per_s']:.2f}"))
+        rows.append(("speed-up over target-only", f"{result['speedup_vs_target']:.2f}×"))
+        rows.append(("same text as target-only", "yes" if result["baseline"]["same_text"] else "no"))
+    for name, value in rows:
+        table.add_row(name, str(value))
+    Console(stderr=True).print(table)
+
+
+def describe_draft_lengths(stats: dict) -> str:
+    """Fixed K, or for an adaptive request its bound, the mean K and the target-only share of steps."""
+    if not stats.get("adaptive"):
+        return str(stats["draft_tokens"])
+    lengths = stats.get("draft_lengths") or [0]
+    drafting = [k for k in lengths if k]
+    mean = f"mean {sum(drafting) / len(drafting):.1f} when drafting" if drafting else "never drafted"
+    return f"auto (≤ {stats['draft_tokens']}): {mean}, target-only {lengths.count(0)} of {len(lengths)} steps"
+
+
+def _describe(error: Exception) -> str:
+    if hasattr(error, "code") and hasattr(error, "details"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)

@@ -1,0 +1,260 @@
+"""The whole stack on an existing Ray cluster: every server runs inside a Ray actor.
+
+1. Place: the draft on a node offering a `draft` resource (else any node), the target on a
+   node offering a `target` resource, else one with a GPU, else any node; orchestrator
+   replicas on nodes offering `orchestrator`, else anywhere.
+2. Start: each actor binds its gRPC server (0.0.0.0, a fixed port) in its constructor, so a
+   restarted actor serves again on its own; the deployer waits for grpc.health.v1 SERVING.
+3. Watch: Ray restarts an actor whose process dies (max_restarts=-1); the deployer also
+   health-checks every server and kills an actor silent for `restart_after_s`, so Ray restarts it.
+The actors belong to the deploying process: stopping it (Ctrl-C) stops the stack.
+"""
+
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specd.proto.limits import Limits
+from specd.orchestrator.remote import wait_until_serving
+
+
+@dataclass
+class ClusterConfig:
+    ray_address: str  # any node of the cluster, e.g. 10.0.0.1:6379, or "auto"
+    draft_model: str = "draft"
+    target_model: str = "target"
+    dtype: str | None = None
+    threads: int | None = None  # torch threads per model service (default: the node's cores)
+    draft_quantize: str = "auto"  # none, int8, int4 or auto (resolved on the draft's node: int4 without a GPU)
+    target_quantize: str = "auto"
+    limits: Limits = field(default_factory=Limits)
+    draft_port: int = 50061
+    target_port: int = 50062
+    port: int = 50051  # the orchestrator's gRPC port (replica i listens on port + i)
+    http_port: int | None = 8000  # its OpenAI-compatible API (+ i); None = gRPC only
+    metrics_port: int | None = 9451  # the orchestrator's Prometheus /metrics (+ i); None = off
+    draft_metrics_port: int | None = 9461
+    target_metrics_port: int | None = 9462
+    replicas: int = 1  # orchestrator replicas
+    workers: int = 2  # generation actors per replica
+    draft_address: str | None = None  # what the orchestrator dials for the draft (default: its node:port)
+    target_address: str | None = None  # e.g. a proxy or a Kubernetes Service in front of the target
+    health_period_s: float = 5.0  # between health checks of every server
+    restart_after_s: float = 60.0  # silence before a server is restarted: longer than a restart takes to bind
+
+
+@dataclass
+class Deployed:
+    name: str  # draft, target, orchestrator-0, ...
+    actor: ray.actor.ActorHandle
+    address: str = ""  # node ip:port where it serves
+    pid: int = 0
+    silent_since: float | None = None  # monotonic time of the first unanswered health check in a row
+
+
+def placement(role: str, resources: dict) -> dict:
+    """Ray actor options that put `role` on the right kind of node of this cluster.
+
+    A node offers a role as a custom resource of that name (`ray start --resources='{"draft": 1}'`);
+    asking for a sliver of it lets replicas share a node.
+    """
+    if role in resources:
+        return {"resources": {role: 0.01}, "num_cpus": 0}
+    if role == "target" and resources.get("GPU", 0) >= 1:
+        return {"num_gpus": 1, "num_cpus": 0}
+    return {"num_cpus": 0}
+
+
+@ray.remote
+class ModelServiceActor:
+    """A draft or target gRPC server (health, reflection, metrics) in this actor's event loop."""
+
+    def __init__(self, role: str, model: str, dtype: str | None, threads: int | None, quantize: str,
+                 limits: Limits, port: int, metrics_port: int | None):
+        self.port = port
+        # Ray runs an async actor's constructor on its event loop, so a restart serves again.
+        self.serving = asyncio.get_running_loop().create_task(
+            self._serve(role, model, dtype, threads, quantize, limits, metrics_port))
+
+    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port) -> None:
+        from specd.cli.common import quantization_for
+        from specd.proto.metrics import start_exporter
+        from specd.model.loading import load_model
+
+        if role == "draft":
+            from specd.draft_service import engine, server
+            engine_class, create_server = engine.DraftEngine, server.create_draft_server
+        else:
+            from specd.target_service import engine, server
+            engine_class, create_server = engine.TargetEngine, server.create_target_server
+        quantization = quantization_for(role, quantize)
+        self.server = create_server(lambda: engine_class(load_model(model, dtype, threads, quantization), limits))
+        if not await self.server.start(f"0.0.0.0:{self.port}"):
+            raise OSError(f"the {role} service could not bind port {self.port}")
+        if metrics_port is not None:
+            start_exporter(self.server.metrics.registry, "0.0.0.0", metrics_port)
+        await self.server.load()
+
+    async def where(self) -> tuple[str, int]:
+        """(node ip:port, pid) once the port is bound; raises what stopped the server."""
+        while not (getattr(self, "server", None) and self.server.port):
+            if self.serving.done():
+                self.serving.result()
+            await asyncio.sleep(0.05)
+        return f"{ray.util.get_node_ip_address()}:{self.port}", os.getpid()
+
+    async def failure(self) -> str | None:
+        """Why the server stopped, if it did (e.g. the model would not load)."""
+        if self.serving.done() and self.serving.exception():
+            return repr(self.serving.exception())
+        return None
+
+
+@ray.remote
+class OrchestratorActor:
+    """One orchestrator replica: SpecDecode gRPC, the HTTP API and metrics, with its own Ray workers."""
+
+    def __init__(self, draft_address: str, target_address: str, port: int, http_port: int | None,
+                 metrics_port: int | None, workers: int):
+        from specd.orchestrator.server import OrchestratorServer
+
+        self.port = port
+        self.server = OrchestratorServer(draft_address, target_address, workers=workers)
+        self.serving = asyncio.get_running_loop().create_task(self._serve(http_port, metrics_port))
+
+    async def _serve(self, http_port, metrics_port) -> None:
+        from specd.proto.metrics import start_exporter
+
+        await self.server.start(f"0.0.0.0:{self.port}")
+        if http_port is not None:
+            await self.server.start_http("0.0.0.0", http_port)
+        if metrics_port is not None:
+            start_exporter(self.server.metrics.registry, "0.0.0.0", metrics_port)
+
+    async def where(self) -> tuple[str, int]:
+        await self.serving
+        return f"{ray.util.get_node_ip_address()}:{self.port}", os.getpid()
+
+
+class ClusterStack:
+    def __init__(self, config: ClusterConfig, say=lambda message: print(message, file=sys.stderr, flush=True)):
+        self.config = config
+        self.say = say
+        self.deployed: list[Deployed] = []
+
+    @property
+    def address(self) -> str:
+        """The first orchestrator replica's gRPC address."""
+        return next(d.address for d in self.deployed if d.name.startswith("orchestrator"))
+
+    async def start(self) -> "ClusterStack":
+        config = self.config
+        if not ray.is_initialized():
+            _token_auth_when_token_available()
+            ray.init(address=config.ray_address, logging_level="WARNING")
+        resources = ray.cluster_resources()
+        self.say(f"Ray cluster: {len(ray.nodes())} nodes, resources {_summary(resources)}")
+        draft, target = await asyncio.gather(self._start_service("draft", config.draft_model, resources),
+                                             self._start_service("target", config.target_model, resources))
+        for i in range(config.replicas):
+            await self._start_orchestrator(i, config.draft_address or draft.address,
+                                           config.target_address or target.address, resources)
+        return self
+
+    async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
+        config = self.config
+        port, metrics_port, quantize = (
+            (config.draft_port, config.draft_metrics_port, config.draft_quantize) if role == "draft"
+            else (config.target_port, config.target_metrics_port, config.target_quantize))
+        actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **placement(role, resources)).remote(
+            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port)
+        deployed = await self._locate(Deployed(role, actor))
+        self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid})")
+        await self._until_serving(deployed, timeout_s=900)
+        return deployed
+
+    async def _start_orchestrator(self, index: int, draft_address: str, target_address: str, resources: dict) -> None:
+        config = self.config
+        actor = OrchestratorActor.options(name=f"specd-orchestrator-{index}", max_restarts=-1,
+                                          **placement("orchestrator", resources)).remote(
+            draft_address, target_address, config.port + index, _plus(config.http_port, index),
+            _plus(config.metrics_port, index), config.workers)
+        deployed = await self._locate(Deployed(f"orchestrator-{index}", actor))
+        await self._until_serving(deployed, timeout_s=300)
+
+    async def _locate(self, deployed: Deployed) -> Deployed:
+        deployed.address, deployed.pid = await deployed.actor.where.remote()
+        self.deployed.append(deployed)
+        return deployed
+
+    async def _until_serving(self, deployed: Deployed, timeout_s: float) -> None:
+        waiting = asyncio.create_task(wait_until_serving(deployed.address, timeout_s))
+        while not waiting.done():
+            if deployed.name in ("draft", "target") and (why := await deployed.actor.failure.remote()):
+                waiting.cancel()
+                raise RuntimeError(f"the {deployed.name} service failed to start: {why}")
+            await asyncio.wait({waiting}, timeout=1.0)
+        await waiting
+
+    async def watch(self) -> None:
+        """Health-check every server forever; an actor that stops answering is killed for Ray to restart."""
+        while True:
+            await asyncio.sleep(self.config.health_period_s)
+            await asyncio.gather(*(self._check(deployed) for deployed in self.deployed))
+
+    async def _check(self, deployed: Deployed) -> None:
+        now = time.monotonic()
+        if await _answers_health(deployed.address, timeout_s=self.config.health_period_s):
+            deployed.silent_since = None
+        elif deployed.silent_since is None:
+            deployed.silent_since = now
+        elif now - deployed.silent_since >= self.config.restart_after_s:
+            self.say(f"{deployed.name} on {deployed.address} has not answered health checks for "
+                     f"{now - deployed.silent_since:.0f} s: restarting it")
+            ray.kill(deployed.actor, no_restart=False)
+            deployed.silent_since = None
+
+    def stop(self) -> None:
+        for deployed in reversed(self.deployed):
+            ray.kill(deployed.actor)
+        self.deployed.clear()
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _plus(port: int | None, index: int) -> int | None:
+    return None if port is None else port + index
+
+
+async def _answers_health(address: str, timeout_s: float) -> bool:
+    """Whether grpc.health.v1 answers at all (NOT_SERVING while a model loads is an answer)."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
+            return True
+        except grpc.aio.AioRpcError:
+            return False
+
+
+def _token_auth_when_token_available() -> None:
+    """`ray start --head` turns token auth on; ray.init follows by itself only for address="auto".
+
+    Ray's own rule for "auto": token mode when a token exists (RAY_AUTH_TOKEN, ~/.ray/auth_token).
+    """
+    from ray._private.authentication.authentication_token_setup import (
+        maybe_enable_token_auth_if_token_available,
+    )
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+
+
+def _summary(resources: dict) -> str:
+    return ", ".join(f"{name} {value:g}" for name, value in sorted(resources.items())
+                     if not name.startswith(("node:", "memory", "object_store")))
+

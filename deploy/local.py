@@ -1,0 +1,132 @@
+"""The whole stack on this machine: draft, target and orchestrator, each its own process.
+
+Each child is `python -m specd serve ...`; the stack waits on grpc.health.v1 until each one
+reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends.
+"""
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specd.orchestrator.remote import wait_until_serving
+
+
+@dataclass
+class StackConfig:
+    dtype: str | None = None
+    threads: int | None = None
+    draft_model: str = "draft"
+    target_model: str = "target"
+    draft_port: int = 0  # 0 picks a free port
+    target_port: int = 0
+    port: int = 0  # the orchestrator's
+    http_port: int = 0  # the orchestrator's OpenAI-compatible API
+    draft_metrics_port: int = 0  # Prometheus /metrics of each process
+    target_metrics_port: int = 0
+    metrics_port: int = 0
+    ray_address: str | None = None
+    workers: int = 2
+    draft_quantize: str | None = None  # None: the service's default (`auto`)
+    target_quantize: str | None = None
+    draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
+    extra_service_flags: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    process: subprocess.Popen
+    log: Path
+    metrics_url: str = ""
+
+    def tail(self, lines: int = 20) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+class LocalStack:
+    def __init__(self, config: StackConfig, say=lambda message: print(message, file=sys.stderr, flush=True)):
+        self.config = config
+        self.say = say
+        self.children: list[Child] = []
+        self.log_dir = Path(tempfile.mkdtemp(prefix="specd-up-"))
+        self.http_port = config.http_port or free_port()
+
+    @property
+    def address(self) -> str:
+        return self.children[-1].address
+
+    @property
+    def http_url(self) -> str:
+        """Base URL of the orchestrator's OpenAI-compatible API."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
+    async def start(self) -> "LocalStack":
+        config = self.config
+        model_flags = _flags(dtype=config.dtype, threads=config.threads) + config.extra_service_flags
+        draft = self._spawn("draft", config.draft_port, config.draft_metrics_port,
+                            ["draft", "--model", config.draft_model, *model_flags, *_flags(quantize=config.draft_quantize)])
+        target = self._spawn("target", config.target_port, config.target_metrics_port,
+                             ["target", "--model", config.target_model, *model_flags,
+                              *_flags(quantize=config.target_quantize)])
+        self.say(f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}")
+        started = time.monotonic()
+        await asyncio.gather(self._wait(draft), self._wait(target))
+        self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
+        orchestrator = self._spawn("orchestrator", config.port, config.metrics_port, [
+            "orchestrator", "--draft", draft.address, "--target", target.address, "--http-port", str(self.http_port),
+            "--workers", str(config.workers), *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens)])
+        await self._wait(orchestrator)
+        return self
+
+    def _spawn(self, name: str, port: int, metrics_port: int, serve_args: list[str]) -> Child:
+        port, metrics_port = port or free_port(), metrics_port or free_port()
+        log = self.log_dir / f"{name}.log"
+        command = [sys.executable, "-m", "specd.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port),
+                   "--metrics-port", str(metrics_port)]
+        process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        child = Child(name, f"127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
+        self.children.append(child)
+        return child
+
+    async def _wait(self, child: Child) -> None:
+        waiting = asyncio.create_task(wait_until_serving(child.address, timeout_s=900))
+        while not waiting.done():
+            if child.process.poll() is not None:
+                waiting.cancel()
+                raise RuntimeError(f"the {child.name} service exited with code {child.process.returncode}:\n{child.tail()}")
+            await asyncio.sleep(0.25)
+        await waiting
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                os.killpg(child.process.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            try:
+                child.process.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        self.children.clear()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _flags(**values) -> list[str]:
+    """--name value for each value that is set."""
+    return [item for name, value in values.items() if value is not None
+            for item in (f"--{name.replace('_', '-')}", str(value))]

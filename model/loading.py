@@ -1,0 +1,125 @@
+"""Loading a causal LM and its tokenizer with the dtype and threads the user asked for."""
+
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from specd.proto.limits import QUANTIZATIONS
+
+
+@dataclass
+class LoadedModel:
+    name: str  # as the user named it
+    path: str  # where it was loaded from
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    dtype: torch.dtype
+    quantization: str = "none"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def max_positions(self) -> int:
+        return int(getattr(self.model.config, "max_position_embeddings", 32768))
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = self.model.generation_config.eos_token_id if self.model.generation_config else None
+        ids = ids if ids is not None else self.tokenizer.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids] if ids is not None else []
+        return sorted(set(ids))
+
+
+def default_dtype() -> str:
+    """bfloat16 where torch has fast CPU kernels for it, else float32.
+
+    Native AVX-512 bf16 / AMX is best, but even AVX2 (bf16 converted in registers) runs a
+    decode step about twice as fast as float32 here, since the step is memory-bound.
+    """
+    if torch.cuda.is_available():
+        return "bfloat16"
+    return "bfloat16" if {"avx512_bf16", "amx_bf16", "avx2"} & _cpu_flags() else "float32"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+
+
+def default_draft_quantization() -> str:
+    """int4 weight-only for a CPU draft: measured fastest here at a small cost in acceptance (README)."""
+    return "none" if torch.cuda.is_available() else "int4"
+
+
+def quantize(model: PreTrainedModel, scheme: str) -> torch.dtype:
+    """Weight-only quantization of the Linear layers with torchao, in place; returns the compute dtype.
+
+    Lossy: a quantized draft guesses differently (acceptance may drop), but the output of the
+    server does not change, since the target decides every token. int4 packs weights for
+    torch's CPU int4 matmul, which computes in bfloat16.
+    """
+    if scheme == "none":
+        return model.dtype
+    if scheme not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {scheme!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    from torchao.prototype.quantization.int4.inference_workflow import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import Int8WeightOnlyConfig, quantize_
+
+    if scheme == "int4":
+        model.to(torch.bfloat16)
+        config = PrototypeInt4WeightOnlyConfig(group_size=INT4_GROUP_SIZE)
+    else:
+        config = Int8WeightOnlyConfig()
+    quantize_(model, config)
+    return model.dtype
+
+
+INT4_GROUP_SIZE = 128
+
+
+def set_threads(threads: int | None) -> None:
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+
+
+def load_model(name_or_path: str, dtype: str | None = None, threads: int | None = None,
+               quantization: str = "none") -> LoadedModel:
+    """Load for inference. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
+    from specd.model.store import resolve_model
+
+    set_threads(threads)
+    path = resolve_model(name_or_path)
+    torch_dtype = getattr(torch, dtype or default_dtype())
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    model.eval()
+    torch_dtype = quantize(model, quantization)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(name_or_path, str(path), model, tokenizer, torch_dtype, quantization)
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """sha256 over the vocabulary and special tokens: equal means the two sides agree on ids."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    special = sorted(str(token) for token in tokenizer.all_special_tokens)
+    return hashlib.sha256(json.dumps([vocab, special]).encode()).hexdigest()
+
+
+def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
+    """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer.save_pretrained(folder)
+        return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}

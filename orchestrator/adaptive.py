@@ -1,0 +1,144 @@
+"""Choosing the draft length K from the numbers, every step, with a recoverable off-switch.
+
+If the target accepts each guess with probability α (independently), a step that drafts K
+tokens emits on average
+    E[tokens](K) = 1 + α + … + α^K = (1 − α^(K+1)) / (1 − α)
+and costs
+    seconds(K) = K·t_draft + t_verify(K) + RTT(K)        (K = 0: one target-only decode)
+where t_draft is the draft's time per token, t_verify(K) the target's time to score K + 1
+tokens (t_verify(0) is a plain decode), and RTT(K) the network: two round trips for a
+speculative step, one for a decode. The chooser takes K maximising E[tokens](K) / seconds(K)
+over 0..max_k, from running estimates: α per request (starting from the worker's recent
+average), the costs per worker (shared by its requests, so they follow the load).
+
+K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
+so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
+after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
+and the costs, so one bad stretch never switches speculation off for good.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ALPHA_PRIOR = 0.7  # before anything is measured: a typical code/chat pair
+REQUEST_ALPHA_WEIGHT = 0.2  # per accept/reject observation: a request's α follows its text fast
+WORKER_ALPHA_WEIGHT = 0.05  # the worker's average moves slowly: it seeds new requests
+TIME_WEIGHT = 0.3  # per measured call: costs follow the load within a few steps
+FIRST_K = 4  # the first speculative step on a fresh worker, before t_verify(K) is known
+PROBE_MIN_STEPS = 4
+PROBE_MAX_STEPS = 32
+DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """E[tokens](K) = 1 + α + … + α^K: accepted guesses plus the target's own token."""
+    return k + 1.0 if alpha >= 1 else (1 - alpha ** (k + 1)) / (1 - alpha)
+
+
+def tokens_per_second(alpha: float, k: int, t_draft: float, t_verify: float, rtt: float) -> float:
+    """Expected rate of a step with K guesses; rtt is the step's whole network time."""
+    return expected_tokens(alpha, k) / (k * t_draft + t_verify + rtt)
+
+
+class Ewma:
+    """Exponentially weighted moving average; None until the first sample."""
+
+    def __init__(self, weight: float, value: float | None = None):
+        self.weight = weight
+        self.value = value
+
+    def add(self, sample: float) -> None:
+        self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
+
+
+@dataclass
+class ServiceCosts:
+    """What the pair costs, measured on every call: one per orchestrator worker, shared by its requests."""
+
+    draft_per_token: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
+    verify_by_k: dict[int, Ewma] = field(default_factory=dict)  # K -> seconds of Verify(K); 0: Decode
+    rtt_draft: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
+    rtt_target: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
+    alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))
+
+    def record_verify(self, k: int, seconds: float, rtt: float) -> None:
+        self.verify_by_k.setdefault(k, Ewma(TIME_WEIGHT)).add(seconds)
+        self.rtt_target.add(rtt)
+
+    def record_draft(self, k: int, seconds: float, rtt: float) -> None:
+        self.draft_per_token.add(seconds / k)
+        self.rtt_draft.add(rtt)
+
+    def verify_seconds(self, k: int) -> float | None:
+        """t_verify(K): measured, else interpolated between measured K, else extended along the last slope."""
+        known = sorted((n, e.value) for n, e in self.verify_by_k.items())
+        if not known:
+            return None
+        below = [point for point in known if point[0] <= k]
+        above = [point for point in known if point[0] >= k]
+        if below and above:
+            (k0, t0), (k1, t1) = below[-1], above[0]
+            return t0 if k1 == k0 else t0 + (t1 - t0) * (k - k0) / (k1 - k0)
+        ends = known[-2:] if below else known[:2]  # extrapolate from the nearest two
+        if len(ends) < 2:
+            return ends[0][1]  # one point: assume the premise, scoring K + 1 tokens costs one step
+        (k0, t0), (k1, t1) = ends
+        return max(t0 + max(0.0, (t1 - t0) / (k1 - k0)) * (k - k0), 1e-6)
+
+    def ready(self) -> bool:
+        """Enough to compare speculating with not: a decode, a verify and a draft time."""
+        return 0 in self.verify_by_k and len(self.verify_by_k) > 1 and self.draft_per_token.value is not None
+
+
+def best_draft_length(alpha: float, t_draft: float, t_verify, rtt_draft: float, rtt_target: float,
+                      max_k: int, min_k: int = 0) -> int:
+    """argmax over K in min_k..max_k of E[tokens](K) / seconds(K); t_verify is a function of K."""
+    def rate(k: int) -> float:
+        return tokens_per_second(alpha, k, t_draft, t_verify(k), rtt_target + (rtt_draft if k else 0.0))
+    return max(range(min_k, max_k + 1), key=rate)
+
+
+class AdaptiveK:
+    """One request's draft length, re-chosen every step."""
+
+    def __init__(self, costs: ServiceCosts, max_k: int):
+        self.costs = costs
+        self.max_k = max_k
+        self.alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.alpha.value)
+        self.off_steps = 0
+        self.probe_every = PROBE_MIN_STEPS
+
+    def next_k(self, tokens_left: int) -> int:
+        """K for the next step (0: target-only)."""
+        max_k = min(self.max_k, tokens_left - 1)  # the target adds one token of its own
+        if max_k < 1:
+            return 0
+        if not self.costs.ready():
+            return self._explore(max_k)
+        k = self._best(max_k)
+        if k:
+            self.off_steps, self.probe_every = 0, PROBE_MIN_STEPS
+            return k
+        self.off_steps += 1
+        if self.off_steps < self.probe_every:
+            return 0
+        self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
+        return self._best(max_k, min_k=1)  # the probe: the best K if speculating at all
+
+    def observe(self, k: int, accepted: int) -> None:
+        """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""
+        for outcome in [1.0] * accepted + [0.0] * (accepted < k):
+            self.alpha.add(outcome)
+            self.costs.alpha.add(outcome)
+
+    def _explore(self, max_k: int) -> int:
+        """A fresh worker measures a decode, then a speculative step, before it compares them."""
+        if 0 not in self.costs.verify_by_k:
+            return 0
+        return min(FIRST_K, max_k)
+
+    def _best(self, max_k: int, min_k: int = 0) -> int:
+        costs = self.costs
+        return best_draft_length(self.alpha.value, costs.draft_per_token.value, costs.verify_seconds,
+                                 costs.rtt_draft.value or 0.0, costs.rtt_target.value or 0.0, max_k, min_k)

@@ -1,0 +1,77 @@
+"""How the orchestrator rides out slow, dead and restarted services (no gRPC calls here).
+
+- Every service call gets timeout = min(seconds left of the client's deadline, a per-call cap):
+  `propose_timeout_s` for Propose, `call_timeout_s` for everything else.
+- The draft is optional ("fail closed"): when a Propose fails or runs past its cap, the step
+  runs target-only (a Decode), so the output stays the target's own. A `DraftGate`, one per
+  worker, then keeps every request off the draft for a back-off (0.5 s, doubling to 8 s) and
+  lets the next step try again; once the draft answers, speculation resumes (its session is
+  resynced by a Prefill when the draft lost it).
+- The target is required: an UNAVAILABLE target (restarting) or one that ran past its cap is
+  retried with back-off for up to `target_retry_s`, with resync and re-prefill when it comes
+  back; after that the request ends UNAVAILABLE. The output is never a wrong token: every
+  retried call names the committed prefix it starts from (docs/architecture.md §3).
+"""
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+
+@dataclass(frozen=True)
+class FaultPolicy:
+    propose_timeout_s: float = 10.0  # cap on one Propose; slower drafts are skipped for the step
+    call_timeout_s: float = 300.0  # cap on one Prefill/Verify/Decode (long prompts on a CPU are slow)
+    target_retry_s: float = 30.0  # keep retrying an unavailable target this long, then UNAVAILABLE
+    draft_backoff_s: tuple[float, float] = (0.5, 8.0)  # first and longest pause after a draft failure
+
+
+class ServiceFailed(Exception):
+    """A model service failed this request for good: the status to end it with, and why."""
+
+    def __init__(self, service: str, code: grpc.StatusCode, message: str):
+        super().__init__(message)
+        self.service = service
+        self.code = code
+
+
+class DraftGate:
+    """Whether to ask the draft now; closes for a growing back-off after each failure."""
+
+    def __init__(self, policy: FaultPolicy = FaultPolicy()):
+        self.first_pause, self.longest_pause = policy.draft_backoff_s
+        self.pause = 0.0
+        self.closed_until = 0.0
+        self.failures = 0  # since the last success
+
+    def is_open(self) -> bool:
+        return time.monotonic() >= self.closed_until
+
+    def failed(self) -> None:
+        self.failures += 1
+        self.pause = min(self.longest_pause, max(self.first_pause, self.pause * 2))
+        self.closed_until = time.monotonic() + self.pause
+
+    def succeeded(self) -> None:
+        self.failures, self.pause, self.closed_until = 0, 0.0, 0.0
+
+
+class Backoff:
+    """Pauses of 50 ms doubling to 1 s, for at most `window_s` seconds in all."""
+
+    def __init__(self, window_s: float):
+        self.give_up_at = time.monotonic() + window_s
+        self.pause = 0.05
+        self.attempts = 0
+
+    def next_pause(self, seconds_left: float | None) -> float | None:
+        """Seconds to wait before the next attempt, or None when the window (or the deadline) is spent."""
+        limit = self.give_up_at - time.monotonic()
+        if seconds_left is not None:
+            limit = min(limit, seconds_left)
+        if limit <= 0.01:
+            return None
+        pause, self.pause = min(self.pause, limit), min(1.0, self.pause * 2)  # the last try at the window's end
+        self.attempts += 1
+        return pause

@@ -1,0 +1,145 @@
+"""Ray actors that run generation loops; a pool that spreads requests over them.
+
+Each GenerationWorker is an async Ray actor holding its own gRPC channels to the draft and the
+target; it runs many requests concurrently (one Generation each) and streams events back
+through a Ray streaming generator. Ray places and restarts the actors; the pool only picks the
+least busy one, refuses requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose
+actor died with UNAVAILABLE (the actor restarts and serves the next requests).
+"""
+
+import asyncio
+import contextlib
+import dataclasses
+import itertools
+import uuid
+from dataclasses import dataclass
+
+import grpc
+import ray
+from ray.exceptions import RayActorError
+
+from specd.proto.auth import ClientSecurity
+from specd.orchestrator.adaptive import ServiceCosts
+from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
+from specd.orchestrator.generation import Generation, GenerationRequest
+from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.v1 import common_pb2
+
+
+@dataclass
+class Failed:
+    """A service error that ended the request: the status code name and its details."""
+
+    code: str
+    message: str
+
+
+class GenerationWorker:
+    def __init__(self, draft_address: str, target_address: str, policy: FaultPolicy = FaultPolicy(),
+                 security: ClientSecurity = ClientSecurity()):
+        self.addresses = (draft_address, target_address)
+        self.policy = policy
+        self.security = security  # the orchestrator's own token and CA, towards the services
+        self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
+        self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (adaptive.py)
+        self.pair = None
+        self.connecting = asyncio.Lock()
+
+    async def ready(self) -> bool:
+        await self._connect()
+        return True
+
+    async def generate(self, request: GenerationRequest):
+        await self._connect()
+        generation = Generation(request, self.pair.draft_stub, self.pair.target_stub, self.pair.tokenizer,
+                                set(self.pair.target_info.eos_token_ids), self.policy, self.draft_gate, self.costs)
+        try:
+            async for event in generation.run():
+                yield event
+        except ServiceFailed as failure:
+            yield Failed(failure.code.name, str(failure))
+        except grpc.aio.AioRpcError as error:
+            yield Failed(error.code().name, f"{error.details()} (from a model service)")
+
+    async def _connect(self) -> None:
+        async with self.connecting:
+            if self.pair is None:
+                self.pair = await connect_pair(*self.addresses, security=self.security)
+
+
+RemoteWorker = ray.remote(GenerationWorker)
+
+
+class WorkerPool:
+    """N Ray actors; each request goes to the one with the fewest requests in flight."""
+
+    def __init__(self, draft_address: str, target_address: str, workers: int = 2, concurrency: int = 64,
+                 policy: FaultPolicy = FaultPolicy(), security: ClientSecurity = ClientSecurity(),
+                 max_requests: int | None = None, pair: ServicePair | None = None):
+        self.actors = [
+            RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
+                draft_address, target_address, policy, security)
+            for _ in range(workers)
+        ]
+        self.max_requests = max_requests  # requests in flight over all actors; None = no limit
+        self.pair = pair  # stubs to release the sessions of a request whose actor died
+        self.in_flight = [0] * workers
+        self._turns = itertools.count()  # rotates which actor wins a tie
+
+    async def ready(self) -> None:
+        await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
+
+    async def generate(self, request: GenerationRequest):
+        if self.max_requests is not None and sum(self.in_flight) >= self.max_requests:
+            yield Failed("RESOURCE_EXHAUSTED", (
+                f"the orchestrator is already running {sum(self.in_flight)} requests, its limit "
+                f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"))
+            return
+        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
+        tried: set[int] = set()
+        while True:
+            index = self._least_busy(tried)
+            tried.add(index)
+            started = False
+            try:
+                # aclosing: a client cancel closes this generator, and must close the actor's stream
+                # now (ray.cancel in _stream), not whenever the garbage collector gets to it.
+                async with contextlib.aclosing(self._stream(index, request)) as events:
+                    async for event in events:
+                        started = True
+                        yield event
+                return
+            except RayActorError as error:
+                await self._release(request.session_id)
+                if started or len(tried) == len(self.actors):
+                    yield Failed("UNAVAILABLE", (
+                        f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
+                        f"by itself: retry the request"))
+                    return
+                # Nothing was sent yet (the actor is still restarting): another actor serves it.
+
+    def _least_busy(self, skip: set[int]) -> int:
+        count, first = len(self.actors), next(self._turns)
+        candidates = [(first + i) % count for i in range(count) if (first + i) % count not in skip]
+        return min(candidates, key=lambda i: self.in_flight[i])
+
+    async def _stream(self, index: int, request: GenerationRequest):
+        self.in_flight[index] += 1
+        stream = self.actors[index].generate.options(num_returns="streaming").remote(request)
+        try:
+            async for ref in stream:
+                yield await ref
+        finally:
+            self.in_flight[index] -= 1
+            ray.cancel(stream)  # a no-op when it finished; on a client cancel it stops the loop
+
+    async def _release(self, session_id: str) -> None:
+        """Release a dead actor's sessions now rather than at idle eviction."""
+        if self.pair:
+            release = common_pb2.ReleaseRequest(session_id=session_id)
+            await asyncio.gather(self.pair.draft_stub.Release(release, timeout=5.0),
+                                 self.pair.target_stub.Release(release, timeout=5.0), return_exceptions=True)
+
+    def shutdown(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor)

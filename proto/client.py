@@ -1,0 +1,50 @@
+"""A client of specd.v1.SpecDecode: stream a completion, or collect it with its stats."""
+
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from specd.proto.auth import ClientSecurity
+from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
+
+
+@dataclass
+class Completion:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    final: specdecode_pb2.Final | None = None
+    token_times: list[float] = field(default_factory=list)  # perf_counter() when each delta arrived
+    started: float = 0.0
+
+
+def make_request(prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
+                 top_k: int = 0, seed: int = 0, stop: list[str] = (), draft_tokens: int | None = None,
+                 ignore_eos: bool = False) -> specdecode_pb2.GenerateRequest:
+    request = specdecode_pb2.GenerateRequest(
+        prompt=prompt, max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+    )
+    if draft_tokens is not None:
+        request.draft_tokens = draft_tokens
+    return request
+
+
+async def complete(stub: specdecode_pb2_grpc.SpecDecodeStub, request, on_text=None, timeout: float | None = None) -> Completion:
+    """Run one Generate call to the end; on_text(delta_text) sees the text as it streams."""
+    completion = Completion(started=time.perf_counter())
+    async for reply in stub.Generate(request, timeout=timeout):
+        if reply.HasField("final"):
+            completion.final = reply.final
+            continue
+        completion.text += reply.delta.text
+        completion.token_ids += reply.delta.token_ids
+        completion.token_times.append(time.perf_counter())
+        if on_text and reply.delta.text:
+            on_text(reply.delta.text)
+    return completion
+
+
+def channel(address: str, security: ClientSecurity = ClientSecurity()) -> grpc.aio.Channel:
+    """A channel to an orchestrator; `security` carries the bearer token and the CA for TLS."""
+    return security.channel(address)

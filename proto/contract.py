@@ -1,0 +1,42 @@
+"""Wire-level helpers both sides of a session call share (no torch, no gRPC).
+
+The orchestrator computes these over its committed tokens; a service over the tokens it
+holds. Equal answers mean both sides agree on the prefix (docs/architecture.md §3).
+"""
+
+import hashlib
+import struct
+
+# Trailing-metadata keys a service sets when it refuses a cursor: what it holds, so the
+# caller can resend from there instead of from scratch.
+HELD_TOKENS_KEY = "specd-held-tokens"
+HELD_FINGERPRINT_KEY = "specd-held-fingerprint"
+# Trailing-metadata key a service sets on every answered call: the seconds it spent on it
+# (the caller's round trip minus this is network and gRPC time).
+SERVICE_SECONDS_KEY = "specd-service-seconds"
+
+
+def fingerprint(tokens) -> int:
+    """64-bit fingerprint of a token-id sequence; 0 for the empty sequence."""
+    if len(tokens) == 0:
+        return 0
+    digest = hashlib.blake2b(struct.pack(f"<{len(tokens)}I", *tokens), digest_size=8).digest()
+    return int.from_bytes(digest, "little") or 1
+
+
+def position_uniform(seed: int, position: int, stream: int) -> float:
+    """A uniform in [0, 1) that depends only on (seed, position, stream).
+
+    Sampling draws from these instead of a stateful generator, so the same call sent twice
+    gives the same tokens (docs/architecture.md §3 rule 4) and every position's randomness is fresh.
+    """
+    digest = hashlib.blake2b(struct.pack("<QQQ", seed, position, stream), digest_size=8).digest()
+    return (int.from_bytes(digest, "little") >> 11) * 2.0**-53
+
+
+class Stream:
+    """Independent random streams per position."""
+
+    DRAFT = 1  # the draft's guess
+    ACCEPT = 2  # the accept/reject coin
+    TARGET = 3  # the target's own token: recovered, bonus or plain decode

@@ -1,0 +1,105 @@
+"""The model services' Prometheus metrics: calls by method and status, call seconds, and the
+model thread's state, read when Prometheus scrapes (sessions, cached tokens, queue depth, batch
+sizes). A service tells the caller, in trailing metadata, how long it spent on each call, so the
+orchestrator can split a step's wall time into draft, verify and network.
+"""
+
+import time
+from collections.abc import Mapping
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+
+from specd.proto.contract import SERVICE_SECONDS_KEY
+from specd.proto.metrics import LATENCY_BUCKETS
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class ServiceMetrics:
+    """A draft or target service's metrics: calls by method and status, call seconds, and the
+    model thread's state (sessions open, cached tokens, queue depth, batch sizes)."""
+
+    def __init__(self, thread):
+        self.registry = CollectorRegistry()
+        self.calls = Counter("specd_service_calls", "Model-service calls answered, by method and status code",
+                             ["method", "code"], registry=self.registry)
+        self.call_seconds = Histogram(
+            "specd_service_call_seconds", "Seconds a model-service call took inside the service (waiting for "
+            "the model thread included), by method", ["method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.registry.register(_ModelThreadCollector(thread))
+        self.interceptor = _CallInterceptor(self)
+
+
+class _CallInterceptor(grpc.aio.ServerInterceptor):
+    """Counts and times every unary call, and puts the seconds spent in trailing metadata."""
+
+    def __init__(self, metrics: ServiceMetrics):
+        self.metrics = metrics
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.unary_unary is None:
+            return handler
+        method = handler_call_details.method.rsplit("/", 1)[-1]
+        behavior, metrics = handler.unary_unary, self.metrics
+
+        async def timed(request, context):
+            started = time.perf_counter()
+            code = "OK"
+            try:
+                reply = await behavior(request, context)
+                context.set_trailing_metadata(((SERVICE_SECONDS_KEY, f"{time.perf_counter() - started:.6f}"),))
+                return reply
+            except BaseException:
+                code = _status_name(context)
+                raise
+            finally:
+                metrics.calls.labels(method, code).inc()
+                metrics.call_seconds.labels(method).observe(time.perf_counter() - started)
+
+        return grpc.unary_unary_rpc_method_handler(
+            timed, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+
+
+def _status_name(context) -> str:
+    code = context.code()
+    if isinstance(code, grpc.StatusCode):
+        return code.name
+    return "CANCELLED" if context.cancelled() else "UNKNOWN"
+
+
+class _ModelThreadCollector:
+    """Reads the model thread (its sessions, and its scheduler's queue and batch sizes) when scraped."""
+
+    def __init__(self, thread):
+        self.thread = thread
+
+    def collect(self):
+        store = self.thread.engine.store if self.thread.engine else None  # None while the model loads
+        scheduler = self.thread.scheduler
+        yield GaugeMetricFamily("specd_sessions_open", "Sessions this service holds a KV cache for",
+                                value=len(store.sessions) if store else 0)
+        yield GaugeMetricFamily("specd_cached_tokens", "Tokens in KV caches over all sessions",
+                                value=store.cached_tokens if store else 0)
+        yield GaugeMetricFamily("specd_queue_depth", "Calls waiting for the model thread", value=scheduler.queue_depth)
+        yield _batch_histogram(_snapshot(scheduler.batch_sizes))
+
+
+def _snapshot(counts: Mapping) -> dict:
+    """A copy of a Counter the model thread may be updating (retry if it changed under us)."""
+    for _ in range(10):
+        try:
+            return dict(counts)
+        except RuntimeError:
+            continue
+    return {}
+
+
+def _batch_histogram(passes_by_size: dict) -> HistogramMetricFamily:
+    buckets = [(str(bound), sum(n for size, n in passes_by_size.items() if size <= bound)) for bound in BATCH_BUCKETS]
+    buckets.append(("+Inf", sum(passes_by_size.values())))
+    return HistogramMetricFamily(
+        "specd_batch_size", "Requests per forward pass of the model thread",
+        buckets=buckets, sum_value=sum(size * n for size, n in passes_by_size.items()))

@@ -1,1 +1,0 @@
-"""The shared model package: loading, per-session KV caches, sampling maths. No gRPC here."""
