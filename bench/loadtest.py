@@ -28,9 +28,9 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import grpc
 import numpy as np
@@ -114,9 +114,9 @@ def _prompt_of(line: str, path: Path, number: int) -> str:
     try:
         prompt = json.loads(line)["prompt"]
     except (json.JSONDecodeError, KeyError, TypeError) as error:
-        raise PromptsError(f"{path}:{number}: expected a JSON object with a \"prompt\" string ({error})") from error
+        raise PromptsError(f'{path}:{number}: expected a JSON object with a "prompt" string ({error})') from error
     if not isinstance(prompt, str) or not prompt:
-        raise PromptsError(f"{path}:{number}: \"prompt\" must be a non-empty string")
+        raise PromptsError(f'{path}:{number}: "prompt" must be a non-empty string')
     return prompt
 
 
@@ -204,9 +204,14 @@ def summarize_run(results: list[RequestResult], wall: float, concurrency: int | 
 def build_request(settings: Settings, index: int) -> specdecode_pb2.GenerateRequest:
     """Request number `index`: the prompts in turn, a seed of its own."""
     prompt = settings.prompts[index % len(settings.prompts)]
-    return make_request(prompt, max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
-                        seed=settings.seed + index, draft_tokens=settings.draft_tokens,
-                        ignore_eos=settings.ignore_eos)
+    return make_request(
+        prompt,
+        max_new_tokens=settings.max_new_tokens,
+        temperature=settings.temperature,
+        seed=settings.seed + index,
+        draft_tokens=settings.draft_tokens,
+        ignore_eos=settings.ignore_eos,
+    )
 
 
 async def send_one(stub: specdecode_pb2_grpc.SpecDecodeStub, settings: Settings, index: int) -> RequestResult:
@@ -243,8 +248,9 @@ async def _stream(stub, request, timeout: float, result: RequestResult) -> None:
 # ---------------------------------------------------------------- runs
 
 
-async def closed_loop(stub, settings: Settings, concurrency: int, requests: int,
-                      advance: Callable[[], None] = lambda: None) -> dict:
+async def closed_loop(
+    stub, settings: Settings, concurrency: int, requests: int, advance: Callable[[], None] = lambda: None
+) -> dict:
     """`concurrency` workers, each sending its next request when the previous ends, `requests` in all."""
     indices = itertools.count()
     results: list[RequestResult] = []
@@ -259,8 +265,9 @@ async def closed_loop(stub, settings: Settings, concurrency: int, requests: int,
     return summarize_run(results, time.perf_counter() - started, concurrency, None)
 
 
-async def open_loop(stub, settings: Settings, rate: float, requests: int,
-                    advance: Callable[[], None] = lambda: None) -> dict:
+async def open_loop(
+    stub, settings: Settings, rate: float, requests: int, advance: Callable[[], None] = lambda: None
+) -> dict:
     """`requests` requests sent at Poisson arrival times of `rate` per second, however many are in flight."""
 
     async def tracked(index: int) -> RequestResult:
@@ -277,8 +284,14 @@ async def open_loop(stub, settings: Settings, rate: float, requests: int,
     return summarize_run(list(results), time.perf_counter() - started, None, rate)
 
 
-async def run_loadtest(settings: Settings, requests: int, concurrency: list[int] = (), rates: list[float] = (),
-                       progress: ProgressHook | None = None, prompts_file: str | None = None) -> dict:
+async def run_loadtest(
+    settings: Settings,
+    requests: int,
+    concurrency: list[int] = (),
+    rates: list[float] = (),
+    progress: ProgressHook | None = None,
+    prompts_file: str | None = None,
+) -> dict:
     """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}."""
     plans = [("closed", c) for c in concurrency] + [("open", r) for r in rates]
     runs = []
@@ -299,17 +312,28 @@ async def _server_info(stub, timeout: float) -> dict | None:
         info = await stub.Info(common_pb2.InfoRequest(), timeout=min(timeout, 10.0))
     except grpc.aio.AioRpcError:
         return None
-    return {"draft_model": info.draft.model, "target_model": info.target.model, "dtype": info.target.dtype,
-            "default_draft_tokens": None if info.adaptive_draft_tokens else info.default_draft_tokens,
-            "max_draft_tokens": info.max_draft_tokens, "draft_quantization": info.draft.quantization,
-            "workers": info.workers}
+    return {
+        "draft_model": info.draft.model,
+        "target_model": info.target.model,
+        "dtype": info.target.dtype,
+        "default_draft_tokens": None if info.adaptive_draft_tokens else info.default_draft_tokens,
+        "max_draft_tokens": info.max_draft_tokens,
+        "draft_quantization": info.draft.quantization,
+        "workers": info.workers,
+    }
 
 
 def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompts_file, server_info) -> dict:
     record = asdict(settings)
     record["prompts"] = len(settings.prompts)
-    return {**record, "prompts_file": prompts_file, "requests": requests, "concurrency": list(concurrency),
-            "rates": list(rates), "server_info": server_info}
+    return {
+        **record,
+        "prompts_file": prompts_file,
+        "requests": requests,
+        "concurrency": list(concurrency),
+        "rates": list(rates),
+        "server_info": server_info,
+    }
 
 
 # ---------------------------------------------------------------- reporting
@@ -324,8 +348,21 @@ def summary_table(report: dict):
     from rich.table import Table
 
     table = Table(title="specd loadtest")
-    for name in ("run", "ok/sent", "tok/s", "req/s", "TTFT p50/p99 ms", "TPOT p50 ms", "ITL p50/p99 ms",
-                 "e2e p50/p99 s", "α", "mean acc. len", "mean K", "spec off", "errors"):
+    for name in (
+        "run",
+        "ok/sent",
+        "tok/s",
+        "req/s",
+        "TTFT p50/p99 ms",
+        "TPOT p50 ms",
+        "ITL p50/p99 ms",
+        "e2e p50/p99 s",
+        "α",
+        "mean acc. len",
+        "mean K",
+        "spec off",
+        "errors",
+    ):
         table.add_column(name, justify="left" if name in ("run", "errors") else "right")
     for run in report["runs"]:
         table.add_row(*_table_row(run))
@@ -335,13 +372,19 @@ def summary_table(report: dict):
 def _table_row(run: dict) -> list[str]:
     errors = ", ".join(f"{code}×{n}" for code, n in run["errors"].items()) or "-"
     return [
-        run_label(run), f"{run['completed']}/{run['requests']}", f"{run['output_tokens_per_s']:.1f}",
+        run_label(run),
+        f"{run['completed']}/{run['requests']}",
+        f"{run['output_tokens_per_s']:.1f}",
         f"{run['requests_per_s']:.2f}",
-        f"{_ms(run['ttft_s']['p50'])}/{_ms(run['ttft_s']['p99'])}", _ms(run["tpot_s"]["p50"]),
+        f"{_ms(run['ttft_s']['p50'])}/{_ms(run['ttft_s']['p99'])}",
+        _ms(run["tpot_s"]["p50"]),
         f"{_ms(run['itl_s']['p50'])}/{_ms(run['itl_s']['p99'])}",
         f"{_num(run['e2e_s']['p50'], 2)}/{_num(run['e2e_s']['p99'], 2)}",
-        _num(run["acceptance_rate"], 2), _num(run["mean_accepted_length"], 2), _num(run["mean_draft_length"], 1),
-        "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}", errors,
+        _num(run["acceptance_rate"], 2),
+        _num(run["mean_accepted_length"], 2),
+        _num(run["mean_draft_length"], 1),
+        "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}",
+        errors,
     ]
 
 
@@ -386,8 +429,12 @@ def _plot_throughput(axes, runs: list[dict]) -> None:
 def _plot_latency(axes, runs: list[dict]) -> None:
     x, label = _x_axis(runs)
     plotted = []
-    for key, quantile, name in (("ttft_s", "p50", "TTFT p50"), ("tpot_s", "p50", "TPOT p50"),
-                                ("e2e_s", "p50", "e2e p50"), ("e2e_s", "p99", "e2e p99")):
+    for key, quantile, name in (
+        ("ttft_s", "p50", "TTFT p50"),
+        ("tpot_s", "p50", "TPOT p50"),
+        ("e2e_s", "p50", "e2e p50"),
+        ("e2e_s", "p99", "e2e p99"),
+    ):
         values = [np.nan if run[key][quantile] is None else run[key][quantile] for run in runs]
         axes.plot(x, values, marker="o", label=name)
         plotted += values
@@ -404,8 +451,12 @@ def _plot_acceptance(axes, runs: list[dict]) -> None:
         if rates:
             axes.plot(range(1, len(rates) + 1), rates, marker="o", label=run_label(run))
     width = max((len(run["acceptance_by_position"]) for run in runs), default=0)
-    axes.set(xlabel="draft position", ylabel="accepted / steps", title="acceptance by draft position",
-             xticks=range(1, width + 1))
+    axes.set(
+        xlabel="draft position",
+        ylabel="accepted / steps",
+        title="acceptance by draft position",
+        xticks=range(1, width + 1),
+    )
     axes.set_ylim(0, 1.05)
     axes.grid(alpha=0.3)
     if axes.get_legend_handles_labels()[0]:

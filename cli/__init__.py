@@ -1,4 +1,8 @@
-"""The `specd` console command: one subcommand module per verb."""
+"""The `specd` console command: one subcommand module per verb.
+
+Each subcommand imports what it runs only when it runs, so the client commands start without torch
+and work in an orchestrator-only install (docs/architecture.md §1; tests/test_layering.py).
+"""
 
 import argparse
 import sys
@@ -7,6 +11,7 @@ from specd.cli import bench, generate, loadtest, models, serve, up
 from specd.cli.common import UserError
 
 SUBCOMMANDS = (models, serve, up, generate, loadtest, bench)
+MODEL_PARTS = {"torch", "transformers"}  # what a model command needs beyond the client side
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,4 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"specd: error: {error}", file=sys.stderr)
         return 2
-
+    except ModuleNotFoundError as error:
+        missing = error.name or ""
+        if missing.split(".")[0] not in MODEL_PARTS and not missing.startswith("specd."):
+            raise  # a bug, not a missing part
+        print(
+            f"specd: error: `specd {args.verb}` needs {missing}, which this install lacks (an orchestrator-only "
+            f"install has no model services): install the full image, or `pip install ./model ./serving "
+            f"./draft_service ./target_service` from a checkout",
+            file=sys.stderr,
+        )
+        return 2

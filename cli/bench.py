@@ -24,61 +24,99 @@ from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draf
 
 
 def add_parser(verbs) -> None:
-    parser = verbs.add_parser("bench", help="benchmark specd against HF generate (target only and assisted)",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="the first 4 prompts, 32 tokens (unless --max-new-tokens says otherwise)")
-    parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
-                        help="one {\"prompt\": ..., \"kind\": ...} per line (default: bench/prompts.jsonl)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="tokens per prompt and system (default 64; 32 with --quick)")
-    parser.add_argument("--draft-tokens", type=draft_tokens_flag, default=None, metavar="K|auto",
-                        help="K of specd_spec (default auto: chosen every step by the orchestrator)")
+    parser = verbs.add_parser(
+        "bench",
+        help="benchmark specd against HF generate (target only and assisted)",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="the first 4 prompts, 32 tokens (unless --max-new-tokens says otherwise)"
+    )
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help='one {"prompt": ..., "kind": ...} per line (default: bench/prompts.jsonl)',
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=None, help="tokens per prompt and system (default 64; 32 with --quick)"
+    )
+    parser.add_argument(
+        "--draft-tokens",
+        type=draft_tokens_flag,
+        default=None,
+        metavar="K|auto",
+        help="K of specd_spec (default auto: chosen every step by the orchestrator)",
+    )
     parser.add_argument("--draft-model", default="draft", help="default-pair name, local HF directory or hub id")
     parser.add_argument("--target-model", default="target", help="default-pair name, local HF directory or hub id")
-    parser.add_argument("--server", default=None, metavar="HOST:PORT",
-                        help="a running orchestrator serving the same pair in the same dtype (default: start one)")
+    parser.add_argument(
+        "--server",
+        default=None,
+        metavar="HOST:PORT",
+        help="a running orchestrator serving the same pair in the same dtype (default: start one)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per specd request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
-    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png",
-                        help="draw tokens/s per system and acceptance by draft position")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="OUT.png",
+        help="draw tokens/s per system and acceptance by draft position",
+    )
     add_model_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from specd.bench import peers as bench
+    from specd.bench import systems
+    from specd.bench.report import SYSTEMS, save_plot, summary_tables
 
-    settings = _settings(args, bench)
+    settings = _settings(args)
     console = Console(stderr=True)
     if not console.is_terminal:  # a log file or a pipe: wide enough for the per-prompt table
         console.width = max(console.width, 132)
     started = time.perf_counter()
-    total = len(settings.prompts) * len(bench.SYSTEMS)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console, transient=False) as progress:
+    total = len(settings.prompts) * len(SYSTEMS)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
         task = progress.add_task("starting", total=total)
 
         def advance(label: str) -> None:
             progress.update(task, advance=1, description=label)
 
         try:
-            report = asyncio.run(bench.run_bench(settings, advance=advance, say=progress.console.log))
+            report = asyncio.run(systems.run_bench(settings, advance=advance, say=progress.console.log))
         except Exception as error:
-            if type(error).__name__ in ("AioRpcError", "RuntimeError", "ModelNotFetchedError", "PromptsError",
-                                        "TimeoutError"):
+            if type(error).__name__ in (
+                "AioRpcError",
+                "RuntimeError",
+                "ModelNotFetchedError",
+                "PromptsError",
+                "TimeoutError",
+            ):
                 raise UserError(_describe(error)) from error
             raise
     report["settings"]["wall_seconds"] = round(time.perf_counter() - started, 1)
-    for table in bench.summary_tables(report):
+    for table in summary_tables(report):
         console.print(table)
     console.print(f"wall time {report['settings']['wall_seconds']:.0f} s (model loading included)")
-    write_report(console, report, args.json, args.plot, bench.save_plot)
+    write_report(console, report, args.json, args.plot, save_plot)
     return 0
 
 
-def _settings(args, bench):
+def _settings(args):
+    from specd.bench import systems
     from specd.bench.loadtest import DEFAULT_PROMPTS, PromptsError
 
     if args.draft_tokens == 0:
@@ -89,17 +127,27 @@ def _settings(args, bench):
         raise UserError("--timeout must be > 0")
     prompts_file = args.prompts or DEFAULT_PROMPTS
     try:
-        prompts, kinds = bench.load_prompts(prompts_file)
+        prompts, kinds = systems.load_prompts(prompts_file)
     except PromptsError as error:
         raise UserError(str(error)) from error
     if args.quick:
-        prompts, kinds = prompts[: bench.QUICK_PROMPTS], kinds[: bench.QUICK_PROMPTS]
-    tokens = args.max_new_tokens or (bench.QUICK_TOKENS if args.quick else bench.DEFAULT_TOKENS)
-    return bench.BenchSettings(
-        prompts=prompts, kinds=kinds, max_new_tokens=tokens, draft_tokens=args.draft_tokens,
-        draft_quantize=args.draft_quantize, dtype=args.dtype,
-        threads=args.threads, draft_model=args.draft_model, target_model=args.target_model, server=args.server,
-        timeout=args.timeout, prompts_file=str(prompts_file), quick=args.quick)
+        prompts, kinds = prompts[: systems.QUICK_PROMPTS], kinds[: systems.QUICK_PROMPTS]
+    tokens = args.max_new_tokens or (systems.QUICK_TOKENS if args.quick else systems.DEFAULT_TOKENS)
+    return systems.BenchSettings(
+        prompts=prompts,
+        kinds=kinds,
+        max_new_tokens=tokens,
+        draft_tokens=args.draft_tokens,
+        draft_quantize=args.draft_quantize,
+        dtype=args.dtype,
+        threads=args.threads,
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        server=args.server,
+        timeout=args.timeout,
+        prompts_file=str(prompts_file),
+        quick=args.quick,
+    )
 
 
 def _describe(error: Exception) -> str:

@@ -13,7 +13,9 @@ class UserError(Exception):
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """--dtype and --threads, the same on every command that loads a model."""
     parser.add_argument(
-        "--dtype", choices=("bfloat16", "float32"), default=None,
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default=None,
         help="weights and compute dtype (default: bfloat16 where the CPU supports it, else float32)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -22,22 +24,16 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
 def add_quantize_flag(parser: argparse.ArgumentParser, flag: str, role: str) -> None:
     """--quantize for a model service: weight-only int8/int4 (torchao); by default int4 for a CPU draft."""
     parser.add_argument(
-        flag, choices=("auto",) + QUANTIZATIONS, default="auto",
-        help=f"weight quantization of the {role} (default auto: " + (
-            "int4 on a CPU, none on a GPU: measured faster at a small cost in acceptance, README)" if role == "draft"
-            else "none; int8/int4 make a CPU target faster but change its output)"),
+        flag,
+        choices=("auto",) + QUANTIZATIONS,
+        default="auto",
+        help=f"weight quantization of the {role} (default auto: "
+        + (
+            "int4 on a CPU, none on a GPU: measured faster at a small cost in acceptance, README)"
+            if role == "draft"
+            else "none; int8/int4 make a CPU target faster but change its output)"
+        ),
     )
-
-
-def quantization_for(role: str, choice: str) -> str:
-    """Resolve `auto` for a role (the draft's default needs torch to know whether there is a GPU)."""
-    if choice != "auto":
-        return choice
-    if role != "draft":
-        return "none"
-    from specd.model.loading import default_draft_quantization
-
-    return default_draft_quantization()
 
 
 def draft_tokens_flag(value: str) -> int | None:

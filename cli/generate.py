@@ -8,14 +8,16 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specd.proto.auth import add_client_flags, client_security_from_args
 from specd.cli.common import UserError, add_model_flags, add_quantize_flag
+from specd.proto.auth import add_client_flags, client_security_from_args
 
 
 def add_parser(verbs) -> None:
     parser = verbs.add_parser("generate", help="generate a completion (starts an embedded stack without --server)")
     parser.add_argument("prompt")
-    parser.add_argument("--server", default=None, metavar="HOST:PORT", help="a running orchestrator (default: start one)")
+    parser.add_argument(
+        "--server", default=None, metavar="HOST:PORT", help="a running orchestrator (default: start one)"
+    )
     add_client_flags(parser, "--server")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -23,10 +25,16 @@ def add_parser(verbs) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="a fixed K (default: the server's, which chooses K every step unless started with one)")
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        help="a fixed K (default: the server's, which chooses K every step unless started with one)",
+    )
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
-    parser.add_argument("--no-baseline", action="store_true", help="skip the target-only run that measures the speed-up")
+    parser.add_argument(
+        "--no-baseline", action="store_true", help="skip the target-only run that measures the speed-up"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of streaming")
     parser.add_argument("--draft-model", default="draft", help="embedded stack only: the draft model")
     parser.add_argument("--target-model", default="target", help="embedded stack only: the target model")
@@ -56,9 +64,14 @@ async def _generate(args) -> dict:
     stack = None
     address = args.server
     if address is None:
-        config = StackConfig(dtype=args.dtype, threads=args.threads, draft_model=args.draft_model,
-                             target_model=args.target_model, draft_quantize=args.draft_quantize,
-                             target_quantize=args.target_quantize)
+        config = StackConfig(
+            dtype=args.dtype,
+            threads=args.threads,
+            draft_model=args.draft_model,
+            target_model=args.target_model,
+            draft_quantize=args.draft_quantize,
+            target_quantize=args.target_quantize,
+        )
         stack = await LocalStack(config).start()
         address = stack.address
     try:
@@ -72,8 +85,14 @@ async def _run_requests(args, address: str) -> dict:
     from specd.proto.client import channel, complete, make_request
     from specd.v1 import specdecode_pb2_grpc
 
-    settings = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                    top_k=args.top_k, seed=args.seed, stop=args.stop)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop,
+    )
     k = 0 if args.no_speculation else args.draft_tokens
     try:
         security = client_security_from_args(args)
@@ -107,8 +126,13 @@ def _as_dict(completion) -> dict:
     final = completion.final
     stats = MessageToDict(final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
     usage = MessageToDict(final.usage, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-    return {"text": completion.text, "token_ids": completion.token_ids, "finish_reason": final.finish_reason,
-            "usage": usage, "stats": stats}
+    return {
+        "text": completion.text,
+        "token_ids": completion.token_ids,
+        "finish_reason": final.finish_reason,
+        "usage": usage,
+        "stats": stats,
+    }
 
 
 def _print_stats(result: dict) -> None:
@@ -116,13 +140,19 @@ def _print_stats(result: dict) -> None:
     table = Table(title="speculation", show_header=False)
     rows = [
         ("finish reason", result["finish_reason"]),
-        ("tokens (prompt / completion)", f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}"),
+        (
+            "tokens (prompt / completion)",
+            f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}",
+        ),
         ("draft length K", describe_draft_lengths(stats)),
         ("steps (target passes)", stats["steps"]),
         ("acceptance rate α", f"{stats['acceptance_rate']:.2f}"),
         ("mean accepted length", f"{stats['mean_accepted_length']:.2f}"),
         ("accepted by draft position", " ".join(map(str, stats["accepted_per_position"]))),
-        ("seconds draft / verify / other", f"{stats['draft_seconds']:.2f} / {stats['verify_seconds']:.2f} / {stats['other_seconds']:.2f}"),
+        (
+            "seconds draft / verify / other",
+            f"{stats['draft_seconds']:.2f} / {stats['verify_seconds']:.2f} / {stats['other_seconds']:.2f}",
+        ),
         ("tokens/s", f"{stats['tokens_per_s']:.2f}"),
     ]
     if "baseline" in result:

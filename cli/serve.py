@@ -2,14 +2,13 @@
 
 import argparse
 import asyncio
-import functools
 import logging
 
-from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag, quantization_for
-from specd.proto.limits import Limits
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
+from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
+from specd.proto.limits import Limits
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
@@ -21,7 +20,11 @@ def add_parser(verbs) -> None:
     roles = serve.add_subparsers(dest="role", required=True, metavar="ROLE")
     for role in ("draft", "target"):
         parser = roles.add_parser(role, help=f"the {role} model service")
-        parser.add_argument("--model", default=role, help=f"default-pair name, local HF directory or hub id (default: the {role} of the default pair)")
+        parser.add_argument(
+            "--model",
+            default=role,
+            help=f"default-pair name, local HF directory or hub id (default: the {role} of the default pair)",
+        )
         _add_address_flags(parser, role)
         add_model_flags(parser)
         add_quantize_flag(parser, "--quantize", role)
@@ -33,14 +36,28 @@ def add_parser(verbs) -> None:
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
-    parser.add_argument("--draft-tokens", type=draft_tokens_flag, default=None, metavar="K|auto",
-                        help="K when a request does not say (default auto: chosen every step from the measured "
-                             "acceptance and costs, 0 when speculation does not pay)")
-    parser.add_argument("--max-draft-tokens", type=int, default=DEFAULT_MAX_DRAFT_TOKENS, metavar="K",
-                        help=f"the largest K auto may choose (default {DEFAULT_MAX_DRAFT_TOKENS})")
+    parser.add_argument(
+        "--draft-tokens",
+        type=draft_tokens_flag,
+        default=None,
+        metavar="K|auto",
+        help="K when a request does not say (default auto: chosen every step from the measured "
+        "acceptance and costs, 0 when speculation does not pay)",
+    )
+    parser.add_argument(
+        "--max-draft-tokens",
+        type=int,
+        default=DEFAULT_MAX_DRAFT_TOKENS,
+        metavar="K",
+        help=f"the largest K auto may choose (default {DEFAULT_MAX_DRAFT_TOKENS})",
+    )
     _add_address_flags(parser, "orchestrator")
-    parser.add_argument("--http-port", type=int, default=DEFAULT_HTTP_PORT,
-                        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=DEFAULT_HTTP_PORT,
+        help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)",
+    )
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
     _add_orchestrator_limit_flags(parser)
     add_server_flags(parser)
@@ -50,36 +67,94 @@ def add_parser(verbs) -> None:
 
 def _add_address_flags(parser, role: str) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for all interfaces)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORTS[role], help=f"port (default {DEFAULT_PORTS[role]}; 0 picks a free one)")
-    parser.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORTS[role],
-                        help=f"port of the Prometheus /metrics endpoint (default {DEFAULT_METRICS_PORTS[role]}; 0 picks a free one)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=DEFAULT_PORTS[role],
+        help=f"port (default {DEFAULT_PORTS[role]}; 0 picks a free one)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=DEFAULT_METRICS_PORTS[role],
+        help=f"port of the Prometheus /metrics endpoint (default {DEFAULT_METRICS_PORTS[role]}; 0 picks a free one)",
+    )
     parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoint")
 
 
 def _add_limit_flags(parser) -> None:
     defaults = Limits()
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="live sessions at once")
-    parser.add_argument("--max-cached-tokens", type=int, default=defaults.max_cached_tokens, help="KV-cached tokens over all sessions")
-    parser.add_argument("--max-session-tokens", type=int, default=defaults.max_session_tokens, help="longest session (prompt + output + drafts)")
+    parser.add_argument(
+        "--max-cached-tokens", type=int, default=defaults.max_cached_tokens, help="KV-cached tokens over all sessions"
+    )
+    parser.add_argument(
+        "--max-session-tokens",
+        type=int,
+        default=defaults.max_session_tokens,
+        help="longest session (prompt + output + drafts)",
+    )
     parser.add_argument("--max-draft-tokens", type=int, default=defaults.max_draft_tokens, help="largest K accepted")
-    parser.add_argument("--idle-timeout", type=float, default=defaults.idle_timeout_s, help="seconds before an untouched session is evicted")
-    parser.add_argument("--max-batch-size", type=int, default=defaults.max_batch_size, help="most concurrent calls sharing one forward pass (1: no batching)")
-    parser.add_argument("--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="most new tokens in one batched pass")
-    parser.add_argument("--batch-wait-ms", type=float, default=defaults.batch_wait_ms, help="how long a pass may wait for the streams the last pass served to send their next call")
+    parser.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=defaults.idle_timeout_s,
+        help="seconds before an untouched session is evicted",
+    )
+    parser.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=defaults.max_batch_size,
+        help="most concurrent calls sharing one forward pass (1: no batching)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens", type=int, default=defaults.max_batch_tokens, help="most new tokens in one batched pass"
+    )
+    parser.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=defaults.batch_wait_ms,
+        help="how long a pass may wait for the streams the last pass served to send their next call",
+    )
 
 
 def _add_orchestrator_limit_flags(parser) -> None:
     policy = FaultPolicy()
-    parser.add_argument("--max-concurrent-requests", type=int, default=None, metavar="N",
-                        help="requests in flight at once; more are refused RESOURCE_EXHAUSTED (default: no limit)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=None, metavar="N",
-                        help="longest prompt accepted (default: what a session holds)")
-    parser.add_argument("--propose-timeout", type=float, default=policy.propose_timeout_s, metavar="S",
-                        help="cap on one draft call; a slower draft is skipped for that step (target-only)")
-    parser.add_argument("--call-timeout", type=float, default=policy.call_timeout_s, metavar="S",
-                        help="cap on one target call (the client's deadline may be shorter)")
-    parser.add_argument("--target-retry", type=float, default=policy.target_retry_s, metavar="S",
-                        help="retry an unavailable target this long, then end the request UNAVAILABLE")
+    parser.add_argument(
+        "--max-concurrent-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in flight at once; more are refused RESOURCE_EXHAUSTED (default: no limit)",
+    )
+    parser.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="longest prompt accepted (default: what a session holds)",
+    )
+    parser.add_argument(
+        "--propose-timeout",
+        type=float,
+        default=policy.propose_timeout_s,
+        metavar="S",
+        help="cap on one draft call; a slower draft is skipped for that step (target-only)",
+    )
+    parser.add_argument(
+        "--call-timeout",
+        type=float,
+        default=policy.call_timeout_s,
+        metavar="S",
+        help="cap on one target call (the client's deadline may be shorter)",
+    )
+    parser.add_argument(
+        "--target-retry",
+        type=float,
+        default=policy.target_retry_s,
+        metavar="S",
+        help="retry an unavailable target this long, then end the request UNAVAILABLE",
+    )
 
 
 def _security(args, client: bool = False):
@@ -103,27 +178,21 @@ def limits_from_args(args) -> Limits:
 
 
 def run_model_service(args: argparse.Namespace) -> int:
-    from specd.model.loading import load_model
+    from specd.deploy.services import model_server
     from specd.serving.server import serve_until_signal
 
-    if args.role == "draft":
-        from specd.draft_service.engine import DraftEngine as engine_class
-        from specd.draft_service.server import create_draft_server as create_server
-    else:
-        from specd.target_service.engine import TargetEngine as engine_class
-        from specd.target_service.server import create_target_server as create_server
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    limits = limits_from_args(args)
-    load = functools.partial(_load_engine, engine_class, load_model, args.model, args.dtype, args.threads, limits,
-                             quantization_for(args.role, args.quantize))
-    security = _security(args)
-    asyncio.run(serve_until_signal(create_server(load), f"{args.host}:{args.port}", security=security,
-                                   metrics_host=args.host, metrics_port=None if args.no_metrics else args.metrics_port))
+    server = model_server(args.role, args.model, args.dtype, args.threads, args.quantize, limits_from_args(args))
+    asyncio.run(
+        serve_until_signal(
+            server,
+            f"{args.host}:{args.port}",
+            security=_security(args),
+            metrics_host=args.host,
+            metrics_port=None if args.no_metrics else args.metrics_port,
+        )
+    )
     return 0
-
-
-def _load_engine(engine_class, load_model, model, dtype, threads, limits, quantization):
-    return engine_class(load_model(model, dtype, threads, quantization), limits)
 
 
 def run_orchestrator(args: argparse.Namespace) -> int:
@@ -131,17 +200,32 @@ def run_orchestrator(args: argparse.Namespace) -> int:
 
     from specd.orchestrator.server import OrchestratorServer, serve_until_signal
 
-    policy = FaultPolicy(propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout,
-                         target_retry_s=args.target_retry)
+    policy = FaultPolicy(
+        propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout, target_retry_s=args.target_retry
+    )
     security, service_security = _security(args), _security(args, client=True)
     start_ray(args.ray_address)
-    server = OrchestratorServer(args.draft, args.target, workers=args.workers, default_draft_tokens=args.draft_tokens,
-                                max_draft_tokens=args.max_draft_tokens, policy=policy, security=security, service_security=service_security,
-                                max_concurrent_requests=args.max_concurrent_requests,
-                                max_prompt_tokens=args.max_prompt_tokens)
+    server = OrchestratorServer(
+        args.draft,
+        args.target,
+        workers=args.workers,
+        default_draft_tokens=args.draft_tokens,
+        max_draft_tokens=args.max_draft_tokens,
+        policy=policy,
+        security=security,
+        service_security=service_security,
+        max_concurrent_requests=args.max_concurrent_requests,
+        max_prompt_tokens=args.max_prompt_tokens,
+    )
     try:
-        asyncio.run(serve_until_signal(server, f"{args.host}:{args.port}", http_port=None if args.no_http else args.http_port,
-                                       metrics_port=None if args.no_metrics else args.metrics_port))
+        asyncio.run(
+            serve_until_signal(
+                server,
+                f"{args.host}:{args.port}",
+                http_port=None if args.no_http else args.http_port,
+                metrics_port=None if args.no_metrics else args.metrics_port,
+            )
+        )
     finally:
         ray.shutdown()
     return 0

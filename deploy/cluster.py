@@ -20,8 +20,8 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.proto.limits import Limits
 from specd.orchestrator.remote import wait_until_serving
+from specd.proto.limits import Limits
 
 
 @dataclass
@@ -75,26 +75,28 @@ def placement(role: str, resources: dict) -> dict:
 class ModelServiceActor:
     """A draft or target gRPC server (health, reflection, metrics) in this actor's event loop."""
 
-    def __init__(self, role: str, model: str, dtype: str | None, threads: int | None, quantize: str,
-                 limits: Limits, port: int, metrics_port: int | None):
+    def __init__(
+        self,
+        role: str,
+        model: str,
+        dtype: str | None,
+        threads: int | None,
+        quantize: str,
+        limits: Limits,
+        port: int,
+        metrics_port: int | None,
+    ):
         self.port = port
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
-            self._serve(role, model, dtype, threads, quantize, limits, metrics_port))
+            self._serve(role, model, dtype, threads, quantize, limits, metrics_port)
+        )
 
     async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port) -> None:
-        from specd.cli.common import quantization_for
+        from specd.deploy.services import model_server
         from specd.proto.metrics import start_exporter
-        from specd.model.loading import load_model
 
-        if role == "draft":
-            from specd.draft_service import engine, server
-            engine_class, create_server = engine.DraftEngine, server.create_draft_server
-        else:
-            from specd.target_service import engine, server
-            engine_class, create_server = engine.TargetEngine, server.create_target_server
-        quantization = quantization_for(role, quantize)
-        self.server = create_server(lambda: engine_class(load_model(model, dtype, threads, quantization), limits))
+        self.server = model_server(role, model, dtype, threads, quantize, limits)
         if not await self.server.start(f"0.0.0.0:{self.port}"):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
@@ -120,8 +122,15 @@ class ModelServiceActor:
 class OrchestratorActor:
     """One orchestrator replica: SpecDecode gRPC, the HTTP API and metrics, with its own Ray workers."""
 
-    def __init__(self, draft_address: str, target_address: str, port: int, http_port: int | None,
-                 metrics_port: int | None, workers: int):
+    def __init__(
+        self,
+        draft_address: str,
+        target_address: str,
+        port: int,
+        http_port: int | None,
+        metrics_port: int | None,
+        workers: int,
+    ):
         from specd.orchestrator.server import OrchestratorServer
 
         self.port = port
@@ -160,20 +169,26 @@ class ClusterStack:
             ray.init(address=config.ray_address, logging_level="WARNING")
         resources = ray.cluster_resources()
         self.say(f"Ray cluster: {len(ray.nodes())} nodes, resources {_summary(resources)}")
-        draft, target = await asyncio.gather(self._start_service("draft", config.draft_model, resources),
-                                             self._start_service("target", config.target_model, resources))
+        draft, target = await asyncio.gather(
+            self._start_service("draft", config.draft_model, resources),
+            self._start_service("target", config.target_model, resources),
+        )
         for i in range(config.replicas):
-            await self._start_orchestrator(i, config.draft_address or draft.address,
-                                           config.target_address or target.address, resources)
+            await self._start_orchestrator(
+                i, config.draft_address or draft.address, config.target_address or target.address, resources
+            )
         return self
 
     async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
         config = self.config
         port, metrics_port, quantize = (
-            (config.draft_port, config.draft_metrics_port, config.draft_quantize) if role == "draft"
-            else (config.target_port, config.target_metrics_port, config.target_quantize))
+            (config.draft_port, config.draft_metrics_port, config.draft_quantize)
+            if role == "draft"
+            else (config.target_port, config.target_metrics_port, config.target_quantize)
+        )
         actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **placement(role, resources)).remote(
-            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port)
+            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port
+        )
         deployed = await self._locate(Deployed(role, actor))
         self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid})")
         await self._until_serving(deployed, timeout_s=900)
@@ -181,10 +196,16 @@ class ClusterStack:
 
     async def _start_orchestrator(self, index: int, draft_address: str, target_address: str, resources: dict) -> None:
         config = self.config
-        actor = OrchestratorActor.options(name=f"specd-orchestrator-{index}", max_restarts=-1,
-                                          **placement("orchestrator", resources)).remote(
-            draft_address, target_address, config.port + index, _plus(config.http_port, index),
-            _plus(config.metrics_port, index), config.workers)
+        actor = OrchestratorActor.options(
+            name=f"specd-orchestrator-{index}", max_restarts=-1, **placement("orchestrator", resources)
+        ).remote(
+            draft_address,
+            target_address,
+            config.port + index,
+            _plus(config.http_port, index),
+            _plus(config.metrics_port, index),
+            config.workers,
+        )
         deployed = await self._locate(Deployed(f"orchestrator-{index}", actor))
         await self._until_serving(deployed, timeout_s=300)
 
@@ -215,8 +236,10 @@ class ClusterStack:
         elif deployed.silent_since is None:
             deployed.silent_since = now
         elif now - deployed.silent_since >= self.config.restart_after_s:
-            self.say(f"{deployed.name} on {deployed.address} has not answered health checks for "
-                     f"{now - deployed.silent_since:.0f} s: restarting it")
+            self.say(
+                f"{deployed.name} on {deployed.address} has not answered health checks for "
+                f"{now - deployed.silent_since:.0f} s: restarting it"
+            )
             ray.kill(deployed.actor, no_restart=False)
             deployed.silent_since = None
 
@@ -255,6 +278,8 @@ def _token_auth_when_token_available() -> None:
 
 
 def _summary(resources: dict) -> str:
-    return ", ".join(f"{name} {value:g}" for name, value in sorted(resources.items())
-                     if not name.startswith(("node:", "memory", "object_store")))
-
+    return ", ".join(
+        f"{name} {value:g}"
+        for name, value in sorted(resources.items())
+        if not name.startswith(("node:", "memory", "object_store"))
+    )

@@ -56,7 +56,9 @@ def namespaces_refused() -> str | None:
     for tool in ("ip", "unshare", "nsenter"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed"
-    probe = subprocess.run(["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True, text=True, check=False)
+    probe = subprocess.run(
+        ["unshare", "--net", "--mount", "--pid", "--fork", "true"], capture_output=True, text=True, check=False
+    )
     if probe.returncode != 0:
         return f"unshare refused: {probe.stderr.strip()}"
     return None
@@ -81,9 +83,22 @@ class NamespacedNetwork:
 
     def _host(self, index: int, name: str) -> Host:
         init = subprocess.Popen(
-            ["unshare", "--net", "--mount", "--pid", "--fork", "--mount-proc", "--propagation", "private", "sh", "-c",
-             "mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray && exec sleep infinity"],
-            stdin=subprocess.DEVNULL, start_new_session=True)
+            [
+                "unshare",
+                "--net",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "mkdir -p /tmp/ray && mount -t tmpfs tmpfs /tmp/ray && exec sleep infinity",
+            ],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.inits.append(init)
         pid = _forked_child(init.pid)
         netns, veth, ip = f"specd-{self.tag}-{name}", f"sd{self.tag}v{index}", f"{self.subnet}.{index + 2}"
@@ -91,8 +106,12 @@ class NamespacedNetwork:
         self.netns.append(netns)
         _ip("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
         _ip("link", "set", veth, "master", self.bridge, "up")
-        for args in (("addr", "add", f"{ip}/24", "dev", "eth0"), ("link", "set", "eth0", "up"),
-                     ("link", "set", "lo", "up"), ("route", "add", "default", "via", self.router_ip)):
+        for args in (
+            ("addr", "add", f"{ip}/24", "dev", "eth0"),
+            ("link", "set", "eth0", "up"),
+            ("link", "set", "lo", "up"),
+            ("route", "add", "default", "via", self.router_ip),
+        ):
             _ip("-n", netns, *args)
         return Host(name, ip, pid)
 
@@ -194,26 +213,53 @@ class Lab:
         head_address = f"{head.ip}:{free_port()}"
         await self._ray_start(head, ["--head", "--port", head_address.rsplit(":", 1)[1]])
         if self.network:
-            await asyncio.gather(*(self._ray_start(self.hosts[name], ["--address", head_address])
-                                   for name in ("draft", "target")))
+            await asyncio.gather(
+                *(self._ray_start(self.hosts[name], ["--address", head_address]) for name in ("draft", "target"))
+            )
         self.head_address = head_address
-        self.say(f"lab: {len(self.ray_nodes)} Ray node(s) up in {time.monotonic() - started:.0f} s; "
-                 + ", ".join(f"{host.name} {host.ip}" for host in self.hosts.values()))
+        self.say(
+            f"lab: {len(self.ray_nodes)} Ray node(s) up in {time.monotonic() - started:.0f} s; "
+            + ", ".join(f"{host.name} {host.ip}" for host in self.hosts.values())
+        )
 
     async def _ray_start(self, host: Host, role_flags: list[str]) -> None:
         """`ray start --block` on `host`, offering its role (all three on a loopback lab) as a resource."""
         roles = [host.name] if self.network else list(ROLES)
         log = self.workdir / f"ray-{host.name}.log"
-        argv = [RAY, "start", "--block", *role_flags, "--node-ip-address", host.ip,
-                "--resources", json.dumps({role: 1 for role in roles}), "--object-store-memory", str(100 * 2**20),
-                "--disable-usage-stats",
-                # explicit ports and temp dir: a loopback lab shares this machine with other Ray instances
-                "--dashboard-agent-listen-port", str(free_port()), "--temp-dir", str(self.workdir / f"ray-{host.name}")]
+        argv = [
+            RAY,
+            "start",
+            "--block",
+            *role_flags,
+            "--node-ip-address",
+            host.ip,
+            "--resources",
+            json.dumps({role: 1 for role in roles}),
+            "--object-store-memory",
+            str(100 * 2**20),
+            "--disable-usage-stats",
+            # explicit ports and temp dir: a loopback lab shares this machine with other Ray instances
+            "--dashboard-agent-listen-port",
+            str(free_port()),
+            "--temp-dir",
+            str(self.workdir / f"ray-{host.name}"),
+        ]
         if "--head" in role_flags:
-            argv += ["--include-dashboard=false", "--dashboard-port", str(free_port()),
-                     "--ray-client-server-port", str(free_port())]
-        node = subprocess.Popen(host.command(argv), stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True, env=_clean_env())
+            argv += [
+                "--include-dashboard=false",
+                "--dashboard-port",
+                str(free_port()),
+                "--ray-client-server-port",
+                str(free_port()),
+            ]
+        node = subprocess.Popen(
+            host.command(argv),
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_clean_env(),
+        )
         self.ray_nodes.append(node)
         while "Ray runtime started" not in log.read_text(errors="replace"):
             if node.poll() is not None:
@@ -228,17 +274,47 @@ class Lab:
             self.proxies[role] = DelayProxy(f"{self.hosts[role].ip}:{ports[role]}", config.rtt_ms)
             via = await self.proxies[role].start(self.router_ip)
             ports[f"{role}_via"] = via
-        argv = [sys.executable, "-m", "specd.cli", "up", "--ray-address", self.head_address,
-                "--draft-model", config.draft_model, "--target-model", config.target_model,
-                "--draft-port", str(ports["draft"]), "--target-port", str(ports["target"]),
-                "--draft-address", ports["draft_via"], "--target-address", ports["target_via"],
-                "--port", str(ports["port"]), "--http-port", str(ports["http"]), "--metrics-port", str(ports["metrics"]),
-                "--draft-metrics-port", str(ports["dm"]), "--target-metrics-port", str(ports["tm"]),
-                *(["--dtype", config.dtype] if config.dtype else []), *config.up_flags]
+        argv = [
+            sys.executable,
+            "-m",
+            "specd.cli",
+            "up",
+            "--ray-address",
+            self.head_address,
+            "--draft-model",
+            config.draft_model,
+            "--target-model",
+            config.target_model,
+            "--draft-port",
+            str(ports["draft"]),
+            "--target-port",
+            str(ports["target"]),
+            "--draft-address",
+            ports["draft_via"],
+            "--target-address",
+            ports["target_via"],
+            "--port",
+            str(ports["port"]),
+            "--http-port",
+            str(ports["http"]),
+            "--metrics-port",
+            str(ports["metrics"]),
+            "--draft-metrics-port",
+            str(ports["dm"]),
+            "--target-metrics-port",
+            str(ports["tm"]),
+            *(["--dtype", config.dtype] if config.dtype else []),
+            *config.up_flags,
+        ]
         log = self.workdir / "specd-up.log"
         self.up = await asyncio.create_subprocess_exec(
-            *self.hosts["orchestrator"].command(argv), stdout=asyncio.subprocess.PIPE,
-            stderr=log.open("w"), stdin=subprocess.DEVNULL, start_new_session=True, env=_clean_env())
+            *self.hosts["orchestrator"].command(argv),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=log.open("w"),
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=_clean_env(),
+        )
         await self._read_deployment(log)
         self.address = self.deployed["orchestrator-0"][0]
         await wait_until_serving(self.address, timeout_s=60)

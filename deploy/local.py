@@ -71,28 +71,63 @@ class LocalStack:
     async def start(self) -> "LocalStack":
         config = self.config
         model_flags = _flags(dtype=config.dtype, threads=config.threads) + config.extra_service_flags
-        draft = self._spawn("draft", config.draft_port, config.draft_metrics_port,
-                            ["draft", "--model", config.draft_model, *model_flags, *_flags(quantize=config.draft_quantize)])
-        target = self._spawn("target", config.target_port, config.target_metrics_port,
-                             ["target", "--model", config.target_model, *model_flags,
-                              *_flags(quantize=config.target_quantize)])
-        self.say(f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}")
+        draft = self._spawn(
+            "draft",
+            config.draft_port,
+            config.draft_metrics_port,
+            ["draft", "--model", config.draft_model, *model_flags, *_flags(quantize=config.draft_quantize)],
+        )
+        target = self._spawn(
+            "target",
+            config.target_port,
+            config.target_metrics_port,
+            ["target", "--model", config.target_model, *model_flags, *_flags(quantize=config.target_quantize)],
+        )
+        self.say(
+            f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}"
+        )
         started = time.monotonic()
         await asyncio.gather(self._wait(draft), self._wait(target))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
-        orchestrator = self._spawn("orchestrator", config.port, config.metrics_port, [
-            "orchestrator", "--draft", draft.address, "--target", target.address, "--http-port", str(self.http_port),
-            "--workers", str(config.workers), *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens)])
+        orchestrator = self._spawn(
+            "orchestrator",
+            config.port,
+            config.metrics_port,
+            [
+                "orchestrator",
+                "--draft",
+                draft.address,
+                "--target",
+                target.address,
+                "--http-port",
+                str(self.http_port),
+                "--workers",
+                str(config.workers),
+                *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens),
+            ],
+        )
         await self._wait(orchestrator)
         return self
 
     def _spawn(self, name: str, port: int, metrics_port: int, serve_args: list[str]) -> Child:
         port, metrics_port = port or free_port(), metrics_port or free_port()
         log = self.log_dir / f"{name}.log"
-        command = [sys.executable, "-m", "specd.cli", "serve", *serve_args, "--host", "127.0.0.1", "--port", str(port),
-                   "--metrics-port", str(metrics_port)]
-        process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                                   stdin=subprocess.DEVNULL, start_new_session=True)
+        command = [
+            sys.executable,
+            "-m",
+            "specd.cli",
+            "serve",
+            *serve_args,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--metrics-port",
+            str(metrics_port),
+        ]
+        process = subprocess.Popen(
+            command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         child = Child(name, f"127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
         self.children.append(child)
         return child
@@ -102,7 +137,9 @@ class LocalStack:
         while not waiting.done():
             if child.process.poll() is not None:
                 waiting.cancel()
-                raise RuntimeError(f"the {child.name} service exited with code {child.process.returncode}:\n{child.tail()}")
+                raise RuntimeError(
+                    f"the {child.name} service exited with code {child.process.returncode}:\n{child.tail()}"
+                )
             await asyncio.sleep(0.25)
         await waiting
 
@@ -128,5 +165,9 @@ def free_port() -> int:
 
 def _flags(**values) -> list[str]:
     """--name value for each value that is set."""
-    return [item for name, value in values.items() if value is not None
-            for item in (f"--{name.replace('_', '-')}", str(value))]
+    return [
+        item
+        for name, value in values.items()
+        if value is not None
+        for item in (f"--{name.replace('_', '-')}", str(value))
+    ]

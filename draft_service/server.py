@@ -1,11 +1,11 @@
-"""specd.v1.DraftService: each handler unpacks, runs the engine on the model thread, packs."""
+"""specd.v1.DraftService: each handler unpacks, runs the draft service on the model thread, packs."""
 
-from typing import Callable
+from collections.abc import Callable
 
-from specd.draft_service.engine import DraftEngine, ProposeCall
-from specd.serving.server import (
-    ModelServer, ModelThread, cursor_from_proto, q_row_to_proto, sampling_from_proto,
-)
+from specd.draft_service.drafter import Drafter, ProposeCall
+from specd.serving.messages import cursor_from_proto, q_row_to_proto, sampling_from_proto
+from specd.serving.server import ModelServer
+from specd.serving.thread import ModelThread
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specd.v1.DraftService"
@@ -19,16 +19,17 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return await self.thread.info(context)
 
     async def Tokenizer(self, request, context):
-        files = await self.thread.call(context, DraftEngine.tokenizer_files)
+        files = await self.thread.call(context, Drafter.tokenizer_files)
         return common_pb2.TokenizerResponse(files=files)
 
     async def Prefill(self, request, context):
-        cached = await self.thread.call(context, DraftEngine.prefill, cursor_from_proto(request.cursor))
+        cached = await self.thread.call(context, Drafter.prefill, cursor_from_proto(request.cursor))
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Propose(self, request, context):
-        call = ProposeCall(cursor_from_proto(request.cursor), request.num_draft_tokens, sampling_from_proto(request.sampling))
-        proposal = await self.thread.batch(context, DraftEngine.propose_batch, call)
+        cursor, sampling = cursor_from_proto(request.cursor), sampling_from_proto(request.sampling)
+        call = ProposeCall(cursor, request.num_draft_tokens, sampling)
+        proposal = await self.thread.batch(context, Drafter.propose_batch, call)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,
             q=[q_row_to_proto(token_ids, probs) for token_ids, probs in proposal.q],
@@ -36,10 +37,10 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         )
 
     async def Release(self, request, context):
-        released = await self.thread.call(context, DraftEngine.release, request.session_id)
+        released = await self.thread.call(context, Drafter.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
 
 
-def create_draft_server(load_engine: Callable[[], DraftEngine]) -> ModelServer:
-    """A DraftService host: start(address) binds it, load() runs load_engine and reports SERVING."""
-    return ModelServer(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer, load_engine)
+def create_draft_server(load_service: Callable[[], Drafter]) -> ModelServer:
+    """A DraftService host: start(address) binds it, load() runs load_service and reports SERVING."""
+    return ModelServer(SERVICE_NAME, draft_pb2_grpc.add_DraftServiceServicer_to_server, DraftServicer, load_service)

@@ -1,4 +1,6 @@
-"""The shared model package: loading, per-session KV caches, sampling maths. No gRPC here."""
+"""The shared model package, no gRPC: the engine interface (engine.py) and its transformers
+implementation, session bookkeeping (sessions.py), what both services share (service.py), the
+model thread's scheduler, loading and the model store, sampling and acceptance maths."""
 
 import logging
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.proto.contract import Stream, position_uniform
 from specd.model.sampling import Sampling, sample
+from specd.proto.contract import Stream, position_uniform
 
 
 @dataclass(frozen=True)

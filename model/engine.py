@@ -1,103 +1,60 @@
-"""What both engines share: a session store over one loaded model, and its self-description."""
+"""The engine interface: what the draft and target services need from a model, and nothing more.
 
+An engine owns the KV cache of every session (opaque to its callers, keyed by session id) and
+runs the model over it. It does no bookkeeping: which tokens a session holds, the cursor
+checks and the limits live in model/sessions.py (docs/architecture.md §3), which tells the
+engine to forward, crop and release. Today's implementation: model/transformers_engine.py.
+"""
+
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import Protocol
 
-from specd.model.errors import EngineError, InvalidRequest
-from specd.model.loading import LoadedModel, tokenizer_fingerprint, tokenizer_files
-from specd.model.sampling import Sampling
-from specd.proto.limits import Limits
-from specd.model.sessions import Cursor, SessionStore
+import torch
 
 
 @dataclass(frozen=True)
 class ModelDescription:
-    model: str
-    role: str
+    """What an engine runs, as the services report it in Info."""
+
+    name: str  # as the user named it
     vocab_size: int
-    tokenizer_fingerprint: str
+    max_positions: int  # the longest session the model can hold
     dtype: str
+    device: str
     eos_token_ids: list[int]
+    tokenizer_fingerprint: str  # equal on both sides means they agree on token ids
     quantization: str = "none"
 
 
-class Engine:
-    """A model plus its sessions. Every method runs on the service's single model thread."""
+@dataclass(frozen=True)
+class Row:
+    """One session's part of a forward pass."""
 
-    role = "?"
+    session_id: str
+    tokens: list[int]  # appended to the session's KV (may be empty: the row sits this pass out)
+    keep_logits: int = 0  # logits wanted for the last `keep_logits` of them (0 <= keep <= len(tokens))
 
-    def __init__(self, loaded: LoadedModel, limits: Limits):
-        if limits.max_session_tokens > loaded.max_positions:
-            limits = Limits(**{**limits.__dict__, "max_session_tokens": loaded.max_positions})
-        self.loaded = loaded
-        self.limits = limits
-        self.store = SessionStore(loaded, limits)
-        self.description = ModelDescription(
-            model=loaded.name,
-            role=self.role,
-            vocab_size=loaded.vocab_size,
-            tokenizer_fingerprint=tokenizer_fingerprint(loaded.tokenizer),
-            dtype=str(loaded.dtype).removeprefix("torch."),
-            eos_token_ids=loaded.eos_token_ids,
-            quantization=loaded.quantization,
-        )
 
-    def prefill(self, cursor: Cursor) -> int:
-        """Open or resync a session and cache cursor.tokens; returns the cached length."""
-        session = self.store.open(cursor)
-        self.store.extend(session, cursor.tokens)
-        return len(session.tokens)
+class Engine(Protocol):
+    description: ModelDescription
 
-    def release(self, session_id: str) -> bool:
-        return self.store.release(session_id)
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Append each row's tokens to its session's KV, all rows in one batched pass (one row per
+        session; a session the engine has not seen starts empty). Returns, per row, float32
+        logits [keep_logits, vocab_size] of its last tokens."""
 
-    def evict_idle(self) -> list[str]:
-        return self.store.evict_idle()
+    def passes(self, session_ids: list[str]) -> AbstractContextManager:
+        """A block of forward calls over exactly these sessions, in this order (the drafting
+        loop: one pass per guessed token). The engine may keep them batched in between; crop and
+        release wait until the block ends."""
+
+    def crop(self, session_id: str, length: int) -> None:
+        """Keep the KV of the session's first `length` tokens (the rollback); no-op when it holds
+        no more, or nothing."""
+
+    def release(self, session_id: str) -> None:
+        """Forget the session's KV (no-op for an unknown session)."""
 
     def tokenizer_files(self) -> dict[str, bytes]:
-        return tokenizer_files(self.loaded.tokenizer)
-
-    def check_draft_length(self, k: int) -> None:
-        if not 1 <= k <= self.limits.max_draft_tokens:
-            raise InvalidRequest(f"draft length K={k} is outside 1..{self.limits.max_draft_tokens}")
-
-
-def check_sampling(sampling: Sampling) -> None:
-    """Reject sampling settings no distribution matches (docs/architecture.md §5)."""
-    if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
-        raise InvalidRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
-    if not 0 < sampling.top_p <= 1:
-        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
-    if sampling.top_k < 0:
-        raise InvalidRequest(f"top_k must be >= 0, got {sampling.top_k}")
-
-
-Call = TypeVar("Call")
-Opened = TypeVar("Opened")
-
-
-def open_each(calls: list[Call], open_call: Callable[[Call], Opened]):
-    """Check and sync every call of a batch; a refused call gets its error, the others go on.
-
-    Returns (results with the errors filled in, [(index, call, opened)] for the calls to run).
-    """
-    results: list = [None] * len(calls)
-    ready = []
-    for index, call in enumerate(calls):
-        try:
-            ready.append((index, call, open_call(call)))
-        except EngineError as error:
-            results[index] = error
-    return results, ready
-
-
-def single(results: list):
-    """The one result of a batch of one, raised if it is an error."""
-    if isinstance(results[0], EngineError):
-        raise results[0]
-    return results[0]
-
-
-def check_continuation(cursor: Cursor) -> None:
-    if not cursor.tokens:
-        raise InvalidRequest("the cursor must carry at least the last committed token")
+        """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""

@@ -15,7 +15,7 @@ from specd.proto.limits import QUANTIZATIONS
 
 @dataclass
 class LoadedModel:
-    name: str  # as the user named it
+    name: str  # the default pair's model name for a role (`target`), else as the user named it
     path: str  # where it was loaded from
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
@@ -59,11 +59,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-
-
-def default_draft_quantization() -> str:
-    """int4 weight-only for a CPU draft: measured fastest here at a small cost in acceptance (README)."""
-    return "none" if torch.cuda.is_available() else "int4"
+def resolve_quantization(role: str, choice: str) -> str:
+    """`--quantize auto` for a role: int4 weight-only for a CPU draft (measured fastest here at a small
+    cost in acceptance, README), none for a target (it would change the output) or a GPU draft."""
+    if choice != "auto":
+        return choice
+    return "int4" if role == "draft" and not torch.cuda.is_available() else "none"
 
 
 def quantize(model: PreTrainedModel, scheme: str) -> torch.dtype:
@@ -96,10 +97,11 @@ def set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or os.cpu_count() or 1)
 
 
-def load_model(name_or_path: str, dtype: str | None = None, threads: int | None = None,
-               quantization: str = "none") -> LoadedModel:
+def load_model(
+    name_or_path: str, dtype: str | None = None, threads: int | None = None, quantization: str = "none"
+) -> LoadedModel:
     """Load for inference. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
-    from specd.model.store import resolve_model
+    from specd.model.store import find_spec, resolve_model
 
     set_threads(threads)
     path = resolve_model(name_or_path)
@@ -108,7 +110,8 @@ def load_model(name_or_path: str, dtype: str | None = None, threads: int | None 
     model.eval()
     torch_dtype = quantize(model, quantization)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    return LoadedModel(name_or_path, str(path), model, tokenizer, torch_dtype, quantization)
+    spec = find_spec(name_or_path)  # `target` is served as the default pair's target, by its name
+    return LoadedModel(spec.name if spec else name_or_path, str(path), model, tokenizer, torch_dtype, quantization)
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
@@ -123,3 +126,11 @@ def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
     with tempfile.TemporaryDirectory() as folder:
         tokenizer.save_pretrained(folder)
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
+
+
+def load_engine(role: str, model: str, dtype: str | None = None, threads: int | None = None, quantize: str = "auto"):
+    """The Engine (model/engine.py) a `role` service runs `model` on: a default-pair name, a local
+    HF directory or a hub id. Today always the transformers engine; the engine choice goes here."""
+    from specd.model.transformers_engine import TransformersEngine  # it imports this module
+
+    return TransformersEngine(load_model(model, dtype, threads, resolve_quantization(role, quantize)))

@@ -5,16 +5,18 @@ never see two calls at once). Calls wait in one FIFO queue. When the thread free
 the oldest call and, if that call batches, every later waiting call of the same kind that
 fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
 was waiting at that moment; before it starts, it gives the sessions the last pass served a
-few milliseconds to come back, so streams that alternate fall into step and share passes. The oldest call always runs next, so nothing starves: a call
-waits at most for the passes of the calls that were queued before it.
+few milliseconds to come back, so streams that alternate fall into step and share passes. The
+oldest call always runs next, so nothing starves: a call waits at most for the passes of the
+calls that were queued before it.
 """
 
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 class Abandoned(Exception):

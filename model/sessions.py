@@ -1,21 +1,22 @@
-"""Per-session KV caches behind a small API: sync (truncate + check), extend, release.
+"""Session bookkeeping, whatever the engine: the consistency contract (docs/architecture.md §3).
 
-A session is (the token ids whose KV is cached, the KV cache). It never decides what is
-committed: every call names the prefix to keep (`start` + fingerprint), the session
-truncates to it (that *is* the rollback) and appends what the caller sends (docs/architecture.md §3).
-Not thread-safe: the engine that owns a store calls it from one worker thread.
+A session is (the token ids whose KV is cached, the KV cache). The store owns the first, the
+engine (model/engine.py) the second, and the store keeps them in step. It never decides what
+is committed: every call names the prefix to keep (`start` + fingerprint); the store checks it
+and the limits before anything changes, truncates to it (that *is* the rollback) and appends
+what the caller sends. It also ends sessions: Release and idle eviction.
+Not thread-safe: the service that owns a store calls it from one worker thread.
 """
 
 import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
+from specd.model.engine import Engine, Row
+from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
 from specd.proto.contract import fingerprint
-from specd.model.errors import EngineError, CapacityExceeded, CursorMismatch, InvalidRequest, SessionNotFound
 from specd.proto.limits import Limits
-from specd.model.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -28,14 +29,14 @@ class Cursor:
 
 @dataclass
 class Session:
-    tokens: list[int] = field(default_factory=list)  # ids whose KV is cached, in order
-    cache: DynamicCache = field(default_factory=DynamicCache)
+    session_id: str
+    tokens: list[int] = field(default_factory=list)  # ids whose KV the engine holds, in order
     last_used: float = field(default_factory=time.monotonic)
 
 
 class SessionStore:
-    def __init__(self, loaded: LoadedModel, limits: Limits):
-        self.loaded = loaded
+    def __init__(self, engine: Engine, limits: Limits):
+        self.engine = engine
         self.limits = limits
         self.sessions: dict[str, Session] = {}
 
@@ -53,7 +54,7 @@ class SessionStore:
             raise CursorMismatch(f"session {cursor.session_id!r} is new", 0, 0)
         if len(self.sessions) >= self.limits.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} live sessions, the limit is {self.limits.max_sessions}")
-        self.sessions[cursor.session_id] = Session()
+        self.sessions[cursor.session_id] = Session(cursor.session_id)
         try:
             return self.sync(cursor)
         except EngineError:
@@ -61,7 +62,7 @@ class SessionStore:
             raise
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
-        vocab = self.loaded.vocab_size
+        vocab = self.engine.description.vocab_size
         bad = next((token for token in tokens if token >= vocab), None)
         if bad is not None:
             raise InvalidRequest(f"{what} contain id {bad}, outside the vocabulary of {vocab}")
@@ -103,36 +104,26 @@ class SessionStore:
         if total > self.limits.max_cached_tokens:
             raise CapacityExceeded(f"cache would hold {total} tokens, the limit is {self.limits.max_cached_tokens}")
 
-    @staticmethod
-    def truncate(session: Session, length: int) -> None:
-        """Roll back: forget every token from `length` on (the cache keeps its first tokens)."""
-        surplus = len(session.tokens) - length
-        if surplus > 0:
-            session.cache.crop(-surplus)
-            del session.tokens[length:]
+    def truncate(self, session: Session, length: int) -> None:
+        """Roll back: forget every token from `length` on. The engine is told even when the store
+        holds no more, so a new session never inherits KV under its id."""
+        del session.tokens[length:]
+        self.engine.crop(session.session_id, length)
 
-    @torch.inference_mode()
-    def extend(self, session: Session, tokens: list[int], keep_logits: int = 1) -> torch.Tensor:
-        """Append tokens, computing their KV in one forward pass.
-
-        Returns float32 logits [keep_logits, V] of the last `keep_logits` new tokens (only
-        those: the output layer over a whole prompt would cost more than the prompt).
-        """
-        if not tokens:
-            return torch.empty(0, self.loaded.vocab_size)
-        input_ids = torch.tensor([tokens], dtype=torch.long)
-        output = self.loaded.model(
-            input_ids=input_ids, cache=session.cache, use_cache=True, logits_to_keep=keep_logits
-        )
-        session.tokens.extend(tokens)
-        return output.logits[0].float()
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """The engine's forward pass (model/engine.py), each row's tokens then recorded as held."""
+        logits = self.engine.forward(rows)
+        for row in rows:
+            self.sessions[row.session_id].tokens.extend(row.tokens)
+        return logits
 
     def release(self, session_id: str) -> bool:
+        self.engine.release(session_id)
         return self.sessions.pop(session_id, None) is not None
 
     def evict_idle(self) -> list[str]:
         cutoff = time.monotonic() - self.limits.idle_timeout_s
-        idle = [sid for sid, session in self.sessions.items() if session.last_used < cutoff]
+        idle = [session_id for session_id, session in self.sessions.items() if session.last_used < cutoff]
         for session_id in idle:
-            del self.sessions[session_id]
+            self.release(session_id)
         return idle

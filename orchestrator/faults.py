@@ -43,18 +43,16 @@ class DraftGate:
         self.first_pause, self.longest_pause = policy.draft_backoff_s
         self.pause = 0.0
         self.closed_until = 0.0
-        self.failures = 0  # since the last success
 
     def is_open(self) -> bool:
         return time.monotonic() >= self.closed_until
 
     def failed(self) -> None:
-        self.failures += 1
         self.pause = min(self.longest_pause, max(self.first_pause, self.pause * 2))
         self.closed_until = time.monotonic() + self.pause
 
     def succeeded(self) -> None:
-        self.failures, self.pause, self.closed_until = 0, 0.0, 0.0
+        self.pause, self.closed_until = 0.0, 0.0
 
 
 class Backoff:

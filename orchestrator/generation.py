@@ -1,13 +1,15 @@
-"""One request, end to end: prefill both services, then guess -> verify -> commit until done.
+"""One request, end to end: prefill both services, then propose -> verify -> commit until done.
 
 Protocol (per request):
   1. Prefill: both services cache the prompt minus its last token (in parallel).
-  2. Step: choose K (fixed, or adaptive.py's best for the measured α and costs); the draft
-     proposes K tokens; the target verifies them in one pass and emits accepted + 1 tokens;
-     the orchestrator commits them and streams the new text.
-  3. Rollback is implicit: each next call starts at the agreed prefix (sessions.py).
-  4. Finish on max_new_tokens, EOS, a stop string, the deadline or a cancel; release both
-     sessions whatever happened.
+  2. Step (`Generation.step`): choose K (fixed, or adaptive.py's best for the measured α and
+     costs); the draft proposes K tokens; the target verifies them in one pass and emits
+     accepted + 1 tokens; the orchestrator commits them and streams the new text.
+  3. Rollback is implicit: each next call starts at the agreed prefix (sessions.py, which alone
+     keeps the record of what each service holds).
+  4. Finish on max_new_tokens ("length"), EOS or a stop string ("stop"). A client's deadline or
+     cancel ends the request without a Finished (DEADLINE_EXCEEDED, or nobody left to read it).
+     Both sessions are released whatever happened.
 Speculation off (K = 0, asked for or chosen) runs step 2 as a plain decode on the target alone.
 A draft that is down or slower than its deadline is skipped the same way, step by step (fail
 closed, faults.py); an unavailable target is retried, then the request ends UNAVAILABLE.
@@ -21,14 +23,15 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from specd.proto.contract import SERVICE_SECONDS_KEY
 from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
-from specd.orchestrator.sessions import RemoteSession
+from specd.orchestrator.sessions import SPENT_S, RemoteSession
 from specd.orchestrator.text import OutputText
-from specd.v1 import common_pb2, draft_pb2, target_pb2
+from specd.v1 import common_pb2
 
 log = logging.getLogger("specd.orchestrator")
+
+NO_TIME = (0.0, None)  # a call not made: (wall seconds, served seconds)
 
 
 @dataclass
@@ -55,7 +58,7 @@ class Delta:
 
 @dataclass
 class Finished:
-    reason: str  # "length", "stop", "deadline"
+    reason: str  # "length" (max_new_tokens) or "stop" (EOS or a stop string)
     prompt_tokens: int
     completion_tokens: int
     stats: "Stats"
@@ -91,8 +94,9 @@ class Stats:
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
-    def record_times(self, draft_wall: float, draft_served: float | None, verify_wall: float,
-                     verify_served: float | None) -> None:
+    def record_times(
+        self, draft_wall: float, draft_served: float | None, verify_wall: float, verify_served: float | None
+    ) -> None:
         """One step's call times: wall (round trip) and served (inside the service, None if unsaid)."""
         draft = draft_wall if draft_served is None else min(draft_served, draft_wall)
         verify = verify_wall if verify_served is None else min(verify_served, verify_wall)
@@ -122,13 +126,20 @@ class Stats:
 class Generation:
     """The orchestrator's state for one request: it alone owns `committed`."""
 
-    def __init__(self, request: GenerationRequest, draft_stub, target_stub, tokenizer: Tokenizer, eos_ids: set[int],
-                 policy: FaultPolicy = FaultPolicy(), draft_gate: DraftGate | None = None,
-                 costs: ServiceCosts | None = None):
+    def __init__(
+        self,
+        request: GenerationRequest,
+        draft_stub,
+        target_stub,
+        tokenizer: Tokenizer,
+        eos_ids: set[int],
+        policy: FaultPolicy = FaultPolicy(),
+        draft_gate: DraftGate | None = None,
+        costs: ServiceCosts | None = None,
+    ):
         self.request = request
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
         session_id = request.session_id or uuid.uuid4().hex
-        self.policy = policy
         self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)
         self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy)
@@ -140,8 +151,9 @@ class Generation:
         self.costs = costs or ServiceCosts()  # shared by a worker's requests
         adaptive = request.draft_tokens is None
         self.chooser = AdaptiveK(self.costs, request.max_draft_tokens) if adaptive else None
-        self.stats = Stats(draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens,
-                           adaptive=adaptive)
+        self.stats = Stats(
+            draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens, adaptive=adaptive
+        )
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
 
     @property
@@ -155,6 +167,10 @@ class Generation:
     def seconds_left(self) -> float | None:
         return None if self.request.deadline is None else max(0.001, self.request.deadline - time.time())
 
+    def expired(self) -> bool:
+        """The request's own deadline has passed (or is as close as sessions.py treats as spent)."""
+        return self.request.deadline is not None and self.request.deadline - time.time() <= SPENT_S
+
     async def run(self):
         """Yield Delta events, then one Finished."""
         started = time.perf_counter()
@@ -162,8 +178,7 @@ class Generation:
             await self.prefill()
             reason = None
             while reason is None:
-                emitted = await self.step()
-                reason = self.commit(emitted)
+                emitted, reason = await self.step()
                 text = self.output.add(emitted)
                 if self.output.stopped:
                     reason = "stop"
@@ -183,38 +198,40 @@ class Generation:
         return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
 
     async def prefill(self) -> None:
+        """Both services cache the prompt (in parallel); a draft not asked now is prefilled by its first Propose."""
         drafting = self.speculating and self.draft_gate.is_open()
-        self.draft.lost = not drafting  # a draft skipped now is prefilled when it is first asked
-        await asyncio.gather(self.target.prefill(self.committed[:-1]), *([self.prefill_draft()] if drafting else []))
+        await asyncio.gather(self.target.prefill(self.committed), *([self.prefill_draft()] if drafting else []))
 
     async def prefill_draft(self) -> None:
-        """The draft is optional: if it fails, steps run target-only until it is back (then it is resynced)."""
+        """The draft is optional: if it fails, steps run target-only until it is back (then it is prefilled)."""
         try:
-            await self.draft.prefill(self.committed[:-1])
+            await self.draft.prefill(self.committed)
         except ServiceFailed as failure:
-            self.draft.lost = True
+            if self.expired():
+                raise  # the request ran out of time, not the draft
             self.draft_gate.failed()
             log.warning("draft prefill failed, continuing target-only: %s", failure)
 
-    async def step(self) -> list[int]:
-        """One step: speculative, or target-only when K is 0 or the draft is down or slow.
-
-        Fail closed: a draft failure costs this step its guesses, never a token, since the target
-        decides every token either way.
-        """
-        k = self.draft_length()
-        if not (k and self.draft_gate.is_open()):
-            return await self.decode_step()
-        try:
-            emitted = await self.speculative_step(k)
-        except ServiceFailed as failure:
-            if failure.service != "draft":
-                raise
-            self.draft_gate.failed()
-            log.warning("draft failed, this step runs target-only: %s", failure)
-            return await self.decode_step()
-        self.draft_gate.succeeded()
-        return emitted
+    async def step(self) -> tuple[list[int], str | None]:
+        """One step: propose -> verify -> commit. Returns the committed tokens and a finish reason (None: go on)."""
+        committed = self.committed
+        # 1. Propose: the draft guesses K tokens after the committed ones. No guesses when K is 0
+        #    or the draft is down or slow: then the step runs target-only (fail closed).
+        proposal, draft_time = await self.propose(committed, self.draft_length())
+        guesses = [] if proposal is None else list(proposal.draft_tokens)
+        # 2. Verify: the target scores the committed tail and the guesses in one pass, keeps the
+        #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
+        #    no guesses it decodes one token. Rejected guesses need no message: each service
+        #    truncates to the agreed prefix on its next call (sessions.py).
+        started = time.perf_counter()
+        if guesses:
+            verdict, served = await self.target.verify(committed, guesses, proposal.q, self.sampling)
+        else:
+            verdict, served = await self.target.decode(committed, self.sampling)
+        # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
+        self.record(len(guesses), verdict.accepted, draft_time, (time.perf_counter() - started, served))
+        # 4. Commit what the target emitted, cut at EOS or the token budget.
+        return self.commit(list(verdict.emitted_tokens))
 
     def draft_length(self) -> int:
         """K for this step: fixed, or the chooser's; never more than the tokens left minus the target's own."""
@@ -223,39 +240,27 @@ class Generation:
             return self.chooser.next_k(left)
         return max(0, min(self.request.draft_tokens, left - 1))
 
-    async def speculative_step(self, k: int) -> list[int]:
-        """Guess -> verify. Returns the emitted tokens (accepted guesses + the target's own)."""
-        committed = self.committed
-        # 1. Propose: the draft guesses K tokens after the committed ones.
-        started = time.perf_counter()
-        proposal, draft_served = await self.draft.call(committed, lambda cursor: served(self.draft.stub.Propose(
-            draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=self.sampling),
-            timeout=self.draft.timeout(self.policy.propose_timeout_s))))
-        self.draft.mirror = committed + list(proposal.draft_tokens[:-1])  # the last guess has no KV
-        # 2. Verify: the target scores the tail and all K guesses in one pass, keeps the longest
-        #    prefix it agrees with and adds one token of its own (recovered or bonus).
-        verified = time.perf_counter()
-        verdict, verify_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Verify(
-            target_pb2.VerifyRequest(cursor=cursor, draft_tokens=proposal.draft_tokens, q=proposal.q,
-                                     sampling=self.sampling), timeout=self.target.timeout())))
-        emitted = list(verdict.emitted_tokens)
-        self.target.mirror = committed + emitted[:-1]
-        # 3. Rollback needs no message: both services truncate to the agreed prefix on their
-        #    next call, so rejected guesses vanish there. 4. Record what it cost and gave.
-        self.record(k, verdict.accepted, (verified - started, draft_served), (time.perf_counter() - verified, verify_served))
-        return emitted
+    async def propose(self, committed: list[int], k: int) -> tuple:
+        """(the draft's reply, (wall seconds, served seconds)), or (None, NO_TIME) when it is not asked or fails.
 
-    async def decode_step(self) -> list[int]:
-        """Speculation off: one token from the target alone."""
-        committed = self.committed
+        Fail closed: a draft failure costs this step its guesses, never a token, since the target
+        decides every token either way; the gate keeps the worker's requests off it for a while.
+        """
+        if not (k and self.draft_gate.is_open()):
+            return None, NO_TIME
         started = time.perf_counter()
-        reply, decode_served = await self.target.call(committed, lambda cursor: served(self.target.stub.Decode(
-            target_pb2.DecodeRequest(cursor=cursor, sampling=self.sampling), timeout=self.target.timeout())))
-        self.target.mirror = list(committed)
-        self.record(0, 0, (0.0, None), (time.perf_counter() - started, decode_served))
-        return list(reply.emitted_tokens)
+        try:
+            proposal, served = await self.draft.propose(committed, k, self.sampling)
+        except ServiceFailed as failure:
+            if self.expired():
+                raise  # the request ran out of time, not the draft: end it (DEADLINE_EXCEEDED)
+            self.draft_gate.failed()
+            log.warning("draft failed, this step runs target-only: %s", failure)
+            return None, NO_TIME
+        self.draft_gate.succeeded()
+        return proposal, (time.perf_counter() - started, served)
 
-    def record(self, k: int, accepted: int, draft: tuple[float, float | None], verify: tuple[float, float | None]) -> None:
+    def record(self, k: int, accepted: int, draft: tuple, verify: tuple) -> None:
         """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds or None)."""
         self.stats.record_times(*draft, *verify)
         self.stats.record_step(k, accepted)
@@ -268,26 +273,16 @@ class Generation:
             self.chooser.observe(k, accepted)
         self.draft_in_step = k > 0
 
-    def commit(self, emitted: list[int]) -> str | None:
-        """Append emitted tokens, cut at EOS or the token budget; returns a finish reason or None."""
+    def commit(self, emitted: list[int]) -> tuple[list[int], str | None]:
+        """Append emitted tokens, cut at EOS or the token budget; returns them and a finish reason or None."""
         budget = self.request.max_new_tokens - self.generated
         eos_at = next((i for i, token in enumerate(emitted) if token in self.eos_ids), None)
         if eos_at is not None and eos_at < budget:
-            emitted[:] = emitted[: eos_at + 1]
-            self.committed += emitted
-            return "stop"
-        emitted[:] = emitted[:budget]
-        self.committed += emitted
-        return "length" if self.generated >= self.request.max_new_tokens else None
+            self.committed += emitted[: eos_at + 1]
+            return emitted[: eos_at + 1], "stop"
+        self.committed += emitted[:budget]
+        return emitted[:budget], "length" if self.generated >= self.request.max_new_tokens else None
 
     async def release(self) -> None:
         # Best effort: idle eviction frees whatever a dead service could not release.
         await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
-
-
-async def served(call) -> tuple:
-    """Await a model-service call; returns (reply, seconds the service says it spent, or None)."""
-    reply = await call
-    held = dict(await call.trailing_metadata() or ())
-    seconds = held.get(SERVICE_SECONDS_KEY)
-    return reply, None if seconds is None else float(seconds)

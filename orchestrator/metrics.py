@@ -13,9 +13,9 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.proto.metrics import LATENCY_BUCKETS
 from specd.orchestrator.generation import Delta, Finished
 from specd.orchestrator.worker import Failed
+from specd.proto.metrics import LATENCY_BUCKETS
 
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
@@ -24,42 +24,70 @@ class OrchestratorMetrics:
     def __init__(self):
         registry = self.registry = CollectorRegistry()
         self.requests = Counter(
-            "specd_requests", "Requests ended, by API (grpc, http) and outcome (a finish reason: length, stop, "
-            "deadline; or a status code: INVALID_ARGUMENT, UNAVAILABLE, ...; or cancelled)",
-            ["api", "outcome"], registry=registry)
+            "specd_requests",
+            "Requests ended, by API (grpc, http) and outcome (a finish reason: length, stop; or a "
+            "status code: INVALID_ARGUMENT, UNAVAILABLE, ...; or cancelled)",
+            ["api", "outcome"],
+            registry=registry,
+        )
         self.running = Gauge("specd_requests_running", "Requests being generated now", registry=registry)
         self.time_to_first_token = Histogram(
-            "specd_time_to_first_token_seconds", "Seconds from a request's arrival to its first output token",
-            buckets=LATENCY_BUCKETS, registry=registry)
+            "specd_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.time_per_output_token = Histogram(
-            "specd_time_per_output_token_seconds", "Per request: (end to end - TTFT) / (output tokens - 1)",
-            buckets=LATENCY_BUCKETS, registry=registry)
+            "specd_time_per_output_token_seconds",
+            "Per request: (end to end - TTFT) / (output tokens - 1)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.e2e_latency = Histogram(
-            "specd_e2e_request_latency_seconds", "Seconds from a request's arrival to its last token",
-            buckets=LATENCY_BUCKETS, registry=registry)
+            "specd_e2e_request_latency_seconds",
+            "Seconds from a request's arrival to its last token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
-        self.generation_tokens = Counter("specd_generation_tokens", "Output tokens of finished requests",
-                                         registry=registry)
+        self.generation_tokens = Counter(
+            "specd_generation_tokens", "Output tokens of finished requests", registry=registry
+        )
         self.request_generation_tokens = Histogram(
-            "specd_request_generation_tokens", "Output tokens per finished request", buckets=TOKEN_BUCKETS,
-            registry=registry)
+            "specd_request_generation_tokens",
+            "Output tokens per finished request",
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
         self.num_drafts = Counter(
-            "specd_spec_decode_num_drafts", "Verify steps that checked at least one draft token", registry=registry)
+            "specd_spec_decode_num_drafts", "Verify steps that checked at least one draft token", registry=registry
+        )
         self.num_draft_tokens = Counter(
-            "specd_spec_decode_num_draft_tokens", "Draft tokens proposed and verified", registry=registry)
+            "specd_spec_decode_num_draft_tokens", "Draft tokens proposed and verified", registry=registry
+        )
         self.num_accepted_tokens = Counter(
-            "specd_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", registry=registry)
+            "specd_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", registry=registry
+        )
         self.num_accepted_tokens_per_pos = Counter(
-            "specd_spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted at each draft position (0 = first)",
-            ["position"], registry=registry)
-        self.steps = Counter("specd_steps", "Generation steps (speculative or plain decode), each one target pass",
-                             registry=registry)
+            "specd_spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = first)",
+            ["position"],
+            registry=registry,
+        )
+        self.steps = Counter(
+            "specd_steps", "Generation steps (speculative or plain decode), each one target pass", registry=registry
+        )
         self.step_seconds = Histogram(
-            "specd_step_seconds", "Seconds of one step by phase: draft (inside the draft service), verify (inside "
-            "the target service), network (the rest of both round trips)", ["phase"],
-            buckets=LATENCY_BUCKETS, registry=registry)
-        self.resyncs = Counter("specd_session_resyncs", "Session calls resent after a service disagreed on its cache",
-                               registry=registry)
+            "specd_step_seconds",
+            "Seconds of one step by phase: draft (inside the draft service), verify (inside "
+            "the target service), network (the rest of both round trips)",
+            ["phase"],
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.resyncs = Counter(
+            "specd_session_resyncs", "Session calls resent after a service disagreed on its cache", registry=registry
+        )
 
     def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
         """A request refused before it started."""

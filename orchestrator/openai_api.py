@@ -6,15 +6,16 @@
     GET  /health                200 while serving, 503 while draining
     GET  /metrics               the orchestrator's Prometheus metrics
 
-Each request is translated into a specd.v1 GenerateRequest and goes through the gRPC API's
-own path (SpecDecodeServicer.prepare, then .generate on the same WorkerPool), so validation,
-limits and output are the same: greedy output over HTTP equals greedy output over gRPC.
+Each request is translated into a specd.v1 GenerateRequest and goes through core.py, as a gRPC
+request does (the same checks and limits, the same WorkerPool), so greedy output over HTTP equals
+greedy output over gRPC.
 
 Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, ...) answer
 400 naming the field, as do fields OpenAI does not define; null means "not set". Extensions:
 `top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "trace": true}` (K = 0
-turns speculation off; trace adds each step's draft / verify / network seconds). Every response (the last chunk, when streaming) carries the request's speculation
-stats in `"specd"`.
+turns speculation off; trace adds each step's draft and verify seconds). Every response (the last
+chunk, when streaming) carries the request's speculation stats in `"specd"`, named as the gRPC
+Final's SpeculationStats (core.stats_dict).
 """
 
 import asyncio
@@ -34,10 +35,22 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from specd.orchestrator.generation import Delta, Finished, Stats
+from specd.orchestrator.core import BadRequest, Core, stats_dict
+from specd.orchestrator.generation import Delta, Finished
 from specd.orchestrator.openai_request import (
-    CHAT_FIELDS, COMPLETION_FIELDS, UNSUPPORTED, ApiError, compile_chat_template, extension, is_int, sampling_params,
-    stop_strings, streaming, text_content, token_text, typed_field,
+    CHAT_FIELDS,
+    COMPLETION_FIELDS,
+    UNSUPPORTED,
+    ApiError,
+    compile_chat_template,
+    extension,
+    is_int,
+    sampling_params,
+    stop_strings,
+    streaming,
+    text_content,
+    token_text,
+    typed_field,
 )
 from specd.orchestrator.worker import Failed
 from specd.v1 import specdecode_pb2
@@ -46,8 +59,14 @@ API_LABEL = "http"  # the `api` label of this API's requests in the metrics
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 
-STATUS_OF_CODE = {"INVALID_ARGUMENT": 400, "UNAUTHENTICATED": 401, "NOT_FOUND": 404, "RESOURCE_EXHAUSTED": 429,
-                  "UNAVAILABLE": 503, "DEADLINE_EXCEEDED": 504}
+STATUS_OF_CODE = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
 
 
 @dataclass
@@ -67,21 +86,15 @@ class Call:
 
 
 class OpenAiApi:
-    """Translates OpenAI requests for a SpecDecodeServicer (which owns the pair and the pool)."""
+    """Translates OpenAI requests for the core (which owns the pair and the pool) and its answers back."""
 
-    def __init__(self, servicer, model_name: str | None = None):
-        self.servicer = servicer
-        self.model_name = model_name or served_model_name(servicer.pair.target_info.model)
-        config = servicer.pair.tokenizer_config
+    def __init__(self, core: Core, model_name: str | None = None):
+        self.core = core
+        self.model_name = model_name or core.model_name
+        config = core.tokenizer_config
         self.chat_template = compile_chat_template(config.get("chat_template"))
         self.special_tokens = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token")}
         self.draining = False
-
-    @property
-    def room(self) -> int:
-        """The longest session both services take (prompt + output)."""
-        pair = self.servicer.pair
-        return min(pair.target_info.max_session_tokens, pair.draft_info.max_session_tokens)
 
     # -- parsing ---------------------------------------------------------------------------
 
@@ -97,12 +110,17 @@ class OpenAiApi:
                     raise ApiError(400, f"`{name}` = {json.dumps(value)} is not supported: {reason}", name)
             elif name not in allowed:
                 endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-                raise ApiError(400, f"unknown field `{name}` for {endpoint}; specd takes {', '.join(sorted(allowed))}",
-                               name)
+                raise ApiError(
+                    400, f"unknown field `{name}` for {endpoint}; specd takes {', '.join(sorted(allowed))}", name
+                )
         model = body.get("model", self.model_name)
         if model != self.model_name:
-            raise ApiError(404, f"the model `{model}` does not exist here; this server serves `{self.model_name}` "
-                                f"(GET /v1/models)", "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"the model `{model}` does not exist here; this server serves `{self.model_name}` (GET /v1/models)",
+                "model",
+                "model_not_found",
+            )
         message = specdecode_pb2.GenerateRequest(ignore_eos=typed_field(body, "ignore_eos", bool, False))
         if chat:
             message.prompt_token_ids.extend(self.chat_prompt(body.get("messages")))
@@ -121,12 +139,13 @@ class OpenAiApi:
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            message.prompt = prompt  # tokenized by prepare(), as a gRPC prompt is
+            message.prompt = prompt  # tokenized by the core, as a gRPC prompt is
         elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             message.prompt_token_ids.extend(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise ApiError(400, "several prompts in one request are not supported: send one request per prompt",
-                           "prompt")
+            raise ApiError(
+                400, "several prompts in one request are not supported: send one request per prompt", "prompt"
+            )
         elif prompt is None:
             raise ApiError(400, "`prompt` is required", "prompt")
         elif prompt != []:
@@ -142,22 +161,24 @@ class OpenAiApi:
                 raise ApiError(400, f"messages[{index}] must be an object with a `role`", f"messages[{index}]")
             for name in entry:
                 if name not in ("role", "content", "name"):
-                    raise ApiError(400, f"messages[{index}].{name} is not supported (no tool calls)",
-                                   f"messages[{index}].{name}")
+                    raise ApiError(
+                        400, f"messages[{index}].{name} is not supported (no tool calls)", f"messages[{index}].{name}"
+                    )
             plain.append({"role": entry["role"], "content": text_content(entry.get("content", ""), index)})
         if self.chat_template is None:
             raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
         try:
-            text = self.chat_template.render(messages=plain, add_generation_prompt=True, tools=None,
-                                             **self.special_tokens)
+            text = self.chat_template.render(
+                messages=plain, add_generation_prompt=True, tools=None, **self.special_tokens
+            )
         except TemplateError as error:
             raise ApiError(400, f"the chat template could not render these messages: {error}", "messages") from None
-        return self.servicer.pair.tokenizer.encode(text, add_special_tokens=False).ids
+        return self.core.tokenizer.encode(text, add_special_tokens=False).ids
 
     def max_tokens(self, body: dict, chat: bool, prompt_tokens: int) -> int:
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         if name not in body:  # OpenAI: 16 for completions; for chat, as many as fit
-            return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.room - prompt_tokens)
+            return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.core.room - prompt_tokens)
         value = body[name]
         if not is_int(value) or value < 1:
             raise ApiError(400, f"`{name}` must be an integer >= 1, got {json.dumps(value)}", name)
@@ -166,15 +187,11 @@ class OpenAiApi:
     # -- answering -------------------------------------------------------------------------
 
     def start(self, call: Call):
-        """Validate on the gRPC path and start generating; the events of the request."""
-        from specd.orchestrator.server import BadRequest
-
+        """Validate as every API does and start generating; the events of the request."""
         try:
-            request = self.servicer.prepare(call.message, None)
+            return self.core.start(call.message, API_LABEL)
         except BadRequest as error:
-            self.servicer.metrics.rejected(API_LABEL)
             raise ApiError(400, str(error)) from None
-        return self.servicer.generate(request, API_LABEL)
 
     async def complete(self, call: Call) -> dict:
         text, finished = "", None
@@ -186,14 +203,20 @@ class OpenAiApi:
                     text += event.text
                 else:
                     finished = event
-        choice = {"index": 0, "finish_reason": finish_reason(finished.reason), "logprobs": None}
+        choice = {"index": 0, "finish_reason": finished.reason, "logprobs": None}
         if call.chat:
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
-        return {"id": call.id, "object": "chat.completion" if call.chat else "text_completion",
-                "created": call.created, "model": self.model_name, "choices": [choice], "usage": usage(finished),
-                "specd": speculation(finished.stats, call.trace)}
+        return {
+            "id": call.id,
+            "object": "chat.completion" if call.chat else "text_completion",
+            "created": call.created,
+            "model": self.model_name,
+            "choices": [choice],
+            "usage": usage(finished),
+            "specd": stats_dict(finished.stats, steps=call.trace),
+        }
 
     async def stream(self, call: Call):
         """Server-sent events; the first event is awaited before the response starts, so an error
@@ -203,8 +226,9 @@ class OpenAiApi:
         if isinstance(first, Failed):
             await events.aclose()
             raise _failed(first)
-        return StreamingResponse(self._sse(call, first, events), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return StreamingResponse(
+            self._sse(call, first, events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     async def _sse(self, call: Call, first, events):
         """The stream's chunks: (chat: the role,) text deltas, the finish with stats, (usage,) [DONE].
@@ -220,8 +244,8 @@ class OpenAiApi:
                     if event.text:
                         yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
                 else:
-                    last = self._chunk(call, {} if call.chat else "", finish_reason(event.reason))
-                    last["specd"] = speculation(event.stats, call.trace)
+                    last = self._chunk(call, {} if call.chat else "", event.reason)
+                    last["specd"] = stats_dict(event.stats, steps=call.trace)
                     yield _event(last)
                     if call.include_usage:
                         yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
@@ -230,12 +254,27 @@ class OpenAiApi:
 
     def _chunk(self, call: Call, delta, finish: str | None = None) -> dict:
         choice = {"index": 0, "finish_reason": finish, "logprobs": None, ("delta" if call.chat else "text"): delta}
-        return {"id": call.id, "object": "chat.completion.chunk" if call.chat else "text_completion",
-                "created": call.created, "model": self.model_name, "choices": [choice]}
+        return {
+            "id": call.id,
+            "object": "chat.completion.chunk" if call.chat else "text_completion",
+            "created": call.created,
+            "model": self.model_name,
+            "choices": [choice],
+        }
 
     def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
-                                            "owned_by": "specd", "max_model_len": self.room}]}
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "specd",
+                    "max_model_len": self.core.room,
+                }
+            ],
+        }
 
 
 def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
@@ -265,7 +304,7 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
                 raise ApiError(400, f"the request body is not valid JSON: {error}") from None
             call = api.parse(body, chat)
         except ApiError as error:
-            api.servicer.metrics.rejected(API_LABEL, "NOT_FOUND" if error.status == 404 else "INVALID_ARGUMENT")
+            api.core.rejected(API_LABEL, "NOT_FOUND" if error.status == 404 else "INVALID_ARGUMENT")
             raise
         if call.stream:
             return await api.stream(call)
@@ -313,10 +352,15 @@ class HttpApi:
     """uvicorn serving the API inside the orchestrator's own event loop; HTTPS with `tls` (PEM
     certificate chain, PEM key), as the orchestrator's gRPC port has."""
 
-    def __init__(self, servicer, model_name: str | None = None, token: str | None = None,
-                 tls: tuple[bytes, bytes] | None = None):
-        self.api = OpenAiApi(servicer, model_name)
-        self.app = create_app(self.api, servicer.metrics.registry, token)
+    def __init__(
+        self,
+        core: Core,
+        model_name: str | None = None,
+        token: str | None = None,
+        tls: tuple[bytes, bytes] | None = None,
+    ):
+        self.api = OpenAiApi(core, model_name)
+        self.app = create_app(self.api, core.metrics.registry, token)
         self.tls = tls
         self.server: uvicorn.Server | None = None
         self.task: asyncio.Task | None = None
@@ -353,8 +397,9 @@ class HttpApi:
 
 
 def _config(app, **tls_files) -> uvicorn.Config:
-    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5,
-                            **tls_files)
+    config = uvicorn.Config(
+        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **tls_files
+    )
     config.load()  # reads the TLS files now
     return config
 
@@ -368,39 +413,13 @@ class _InLoopServer(uvicorn.Server):
 
 # -- translation helpers -------------------------------------------------------------------------
 
-def served_model_name(name: str) -> str:
-    """The id /v1/models lists: a default-pair role (`target`) becomes its model's name."""
-    from specd.model.store import find_spec
-
-    spec = find_spec(name)
-    return spec.name if spec else name
-
-
-def finish_reason(reason: str) -> str:
-    """specd's finish reasons in OpenAI's words (a deadline ends a request early, like a length)."""
-    return "length" if reason == "deadline" else reason
-
 
 def usage(finished: Finished) -> dict:
-    return {"prompt_tokens": finished.prompt_tokens, "completion_tokens": finished.completion_tokens,
-            "total_tokens": finished.prompt_tokens + finished.completion_tokens}
-
-
-def speculation(stats: Stats, trace: bool = False) -> dict:
-    """The request's speculation stats (the gRPC Final's SpeculationStats, plus drafts and network
-    seconds); with `trace`, also [draft, verify, network] seconds of each step."""
-    answer = {
-        "draft_tokens": stats.draft_tokens, "adaptive": stats.adaptive, "draft_lengths": stats.draft_lengths,
-        "steps": stats.steps, "drafts": stats.drafting_steps,
-        "drafted": stats.drafted, "accepted": stats.accepted, "acceptance_rate": stats.acceptance_rate,
-        "mean_accepted_length": stats.mean_accepted_length, "accepted_per_position": stats.accepted_per_position,
-        "draft_seconds": stats.draft_seconds, "verify_seconds": stats.verify_seconds,
-        "network_seconds": stats.network_seconds, "tokens_per_s": stats.tokens_per_s,
-        "time_to_first_token_s": stats.time_to_first_token_s, "resyncs": stats.resyncs,
+    return {
+        "prompt_tokens": finished.prompt_tokens,
+        "completion_tokens": finished.completion_tokens,
+        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
     }
-    if trace:
-        answer["step_seconds"] = [[round(seconds, 6) for seconds in step] for step in stats.step_seconds]
-    return answer
 
 
 def _failed(failed: Failed) -> ApiError:

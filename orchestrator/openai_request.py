@@ -11,8 +11,20 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from specd.v1 import common_pb2
 
 # Fields both endpoints take; then each endpoint's own.
-COMMON_FIELDS = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options",
-                 "user", "ignore_eos", "specd"}
+COMMON_FIELDS = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "stop",
+    "seed",
+    "stream",
+    "stream_options",
+    "user",
+    "ignore_eos",
+    "specd",
+}
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
@@ -56,8 +68,9 @@ def compile_chat_template(source: str | None):
         source = next((entry.get("template") for entry in source if entry.get("name") == "default"), None)
     if not source:
         return None
-    environment = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                extensions=["jinja2.ext.loopcontrols"])
+    environment = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
     environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, indent=indent, ensure_ascii=False)
 
     def raise_exception(message):
@@ -80,8 +93,11 @@ def extension(body: dict) -> tuple[int | None, bool]:
     extension = typed_field(body, "specd", dict, {})
     for name in extension:
         if name not in ("draft_tokens", "trace"):
-            raise ApiError(400, f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) "
-                                f"and `trace`", f"specd.{name}")
+            raise ApiError(
+                400,
+                f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) and `trace`",
+                f"specd.{name}",
+            )
     k = extension.get("draft_tokens")
     if k is not None and (not is_int(k) or k < 0):
         raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}", "specd.draft_tokens")
@@ -105,11 +121,15 @@ def streaming(body: dict) -> tuple[bool, bool]:
 def text_content(content, index: int) -> str:
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(part, dict) and part.get("type") == "text"
-                                         and isinstance(part.get("text"), str) for part in content):
+    if isinstance(content, list) and all(
+        isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str) for part in content
+    ):
         return "".join(part["text"] for part in content)
-    raise ApiError(400, f"messages[{index}].content must be a string or a list of text parts (no images or audio)",
-                   f"messages[{index}].content")
+    raise ApiError(
+        400,
+        f"messages[{index}].content must be a string or a list of text parts (no images or audio)",
+        f"messages[{index}].content",
+    )
 
 
 def token_text(token) -> str:

@@ -37,8 +37,9 @@ class ServicePair:
     tokenizer_config: dict = field(default_factory=dict)  # the target's, with its chat template
 
 
-async def wait_until_serving(address: str, timeout_s: float = 600.0,
-                             security: ClientSecurity = ClientSecurity()) -> None:
+async def wait_until_serving(
+    address: str, timeout_s: float = 600.0, security: ClientSecurity = ClientSecurity()
+) -> None:
     """Poll grpc.health.v1 until SERVING; one actionable error if it never comes."""
     deadline = time.monotonic() + timeout_s
     last = "no answer"
@@ -56,11 +57,13 @@ async def wait_until_serving(address: str, timeout_s: float = 600.0,
     raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last}); is it running?")
 
 
-async def connect_pair(draft_address: str, target_address: str, timeout_s: float = 600.0,
-                       security: ClientSecurity = ClientSecurity()) -> ServicePair:
+async def connect_pair(
+    draft_address: str, target_address: str, timeout_s: float = 600.0, security: ClientSecurity = ClientSecurity()
+) -> ServicePair:
     """Wait for both services, check they form a pair; `security`: the orchestrator's token and CA."""
-    await asyncio.gather(wait_until_serving(draft_address, timeout_s, security),
-                         wait_until_serving(target_address, timeout_s, security))
+    await asyncio.gather(
+        wait_until_serving(draft_address, timeout_s, security), wait_until_serving(target_address, timeout_s, security)
+    )
     draft_channel = security.channel(draft_address, CHANNEL_OPTIONS)
     target_channel = security.channel(target_address, CHANNEL_OPTIONS)
     draft_stub = draft_pb2_grpc.DraftServiceStub(draft_channel)
@@ -72,8 +75,15 @@ async def connect_pair(draft_address: str, target_address: str, timeout_s: float
     )
     check_pair(draft_info, target_info)
     tokenizer = Tokenizer.from_str(files.files["tokenizer.json"].decode())
-    return ServicePair(draft_stub, target_stub, draft_info, target_info, tokenizer, (draft_channel, target_channel),
-                       tokenizer_config(files.files))
+    return ServicePair(
+        draft_stub,
+        target_stub,
+        draft_info,
+        target_info,
+        tokenizer,
+        (draft_channel, target_channel),
+        tokenizer_config(files.files),
+    )
 
 
 def tokenizer_config(files) -> dict:
@@ -89,10 +99,12 @@ def check_pair(draft: common_pb2.ModelInfo, target: common_pb2.ModelInfo) -> Non
     if draft.vocab_size != target.vocab_size:
         raise PairMismatch(
             f"draft {draft.model!r} has a vocabulary of {draft.vocab_size}, target {target.model!r} of "
-            f"{target.vocab_size}: speculative decoding needs the same vocabulary; pick a draft from the target's family"
+            f"{target.vocab_size}: speculative decoding needs the same vocabulary; "
+            f"pick a draft from the target's family"
         )
     if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
         raise PairMismatch(
             f"draft {draft.model!r} and target {target.model!r} have different tokenizers "
-            f"({draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]}): token ids would not mean the same"
+            f"({draft.tokenizer_fingerprint[:12]} vs {target.tokenizer_fingerprint[:12]}): "
+            f"token ids would not mean the same"
         )

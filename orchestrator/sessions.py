@@ -1,39 +1,60 @@
-"""One request's view of a remote session: what we believe the service holds, and resync.
+"""One request's session on one model service: the record of what the service holds, and every call on it.
 
-The orchestrator owns the committed tokens. For each service it keeps a *mirror*: the tokens
-it believes that service has cached. Every call starts at the longest prefix the mirror shares
-with the committed tokens (that is the rollback: the service truncates there). When the
-service says otherwise (FAILED_PRECONDITION / NOT_FOUND after a restart, eviction or a lost
-reply) the mirror is corrected from what the service reports and the call is sent again, at
-worst from token 0. Nothing is lost and nothing is silently wrong (docs/architecture.md §3).
+The orchestrator owns the committed tokens. For each service a RemoteSession keeps a *record*:
+the tokens that service holds KV for, as far as the orchestrator can vouch. Each call
+  1. starts at the longest prefix the record shares with the committed tokens (that is the
+     rollback: the service truncates there) and always sends at least the last committed
+     token: no side holds its KV yet, the service continues from it (docs/architecture.md §3 rule 6);
+  2. rewrites the record from the reply's own `cached_tokens`: the service holds the first
+     cached_tokens of (the committed tokens + the tokens it answered). A count past what the
+     orchestrator can account for is not believed: the record empties, so the next call resends
+     everything rather than trust a cache it cannot vouch for;
+  3. when the service disagrees, resyncs and sends again: FAILED_PRECONDITION says what the
+     service holds (the record becomes the committed prefix it still shares), NOT_FOUND means
+     it holds nothing (restart, eviction: a full re-prefill).
+Nothing is lost and nothing is silently wrong: every cursor carries a fingerprint the service
+checks (docs/architecture.md §3). Timeouts, retries and back-off follow faults.py's policy.
 """
 
 import asyncio
+import logging
 import time
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
-from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY, fingerprint
 from specd.orchestrator.faults import Backoff, FaultPolicy, ServiceFailed
-from specd.v1 import common_pb2
+from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY, SERVICE_SECONDS_KEY, fingerprint
+from specd.v1 import common_pb2, draft_pb2, target_pb2
+
+log = logging.getLogger("specd.orchestrator")
 
 RESYNC_ATTEMPTS = 3
+RESYNC_CODES = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION)
 RELEASE_TIMEOUT_S = 5.0
+SPENT_S = 0.01  # a request with this little time left is out of time
 
 
 class RemoteSession:
-    def __init__(self, stub, session_id: str, seconds_left: Callable[[], float | None] = lambda: None,
-                 name: str = "service", policy: FaultPolicy = FaultPolicy(), required: bool = True):
+    """One service's session for one request: one method per RPC, and the record they keep."""
+
+    def __init__(
+        self,
+        stub,
+        session_id: str,
+        seconds_left: Callable[[], float | None] = lambda: None,
+        name: str = "service",
+        policy: FaultPolicy = FaultPolicy(),
+        required: bool = True,
+    ):
         self.stub = stub  # DraftServiceStub or TargetServiceStub
         self.session_id = session_id
         self.seconds_left = seconds_left  # of the request's deadline (None: no deadline)
         self.name = name  # "draft" or "target", for messages
         self.policy = policy
         self.retry_window_s = policy.target_retry_s if required else 0.0  # the draft is optional: no retries
-        self.mirror: list[int] = []  # tokens we believe the service caches
+        self.held: list[int] | None = None  # the record; None: no session there yet (or lost): Prefill first
         self.opened = False  # a Prefill was sent: Release at the end
-        self.lost = False  # the service said it has no such session: re-prefill before the next call
         self.resyncs = 0
 
     def timeout(self, cap: float | None = None) -> float:
@@ -44,58 +65,119 @@ class RemoteSession:
 
     def cursor(self, committed: list[int]) -> common_pb2.SessionCursor:
         """Keep the agreed prefix, send the rest; always send >= 1 token (the last committed)."""
-        start = min(_common_prefix(self.mirror, committed), len(committed) - 1)
+        start = min(_common_prefix(self.held or [], committed), len(committed) - 1)
         return common_pb2.SessionCursor(
-            session_id=self.session_id, start=start, fingerprint=fingerprint(committed[:start]),
+            session_id=self.session_id,
+            start=start,
+            fingerprint=fingerprint(committed[:start]),
             tokens=committed[start:],
         )
 
-    async def prefill(self, tokens: list[int]) -> None:
-        """Open the session holding `tokens` (the prompt minus its last token)."""
-        await self._retrying(lambda: self._open(tokens))
+    # -- one method per RPC ----------------------------------------------------------------------
+    # Each returns (reply, seconds the service says it spent, or None), and raises ServiceFailed
+    # when the service refuses for good or stays unavailable past the retry window.
 
-    async def call(self, committed: list[int], send: Callable[[common_pb2.SessionCursor], Awaitable]):
-        """send(cursor) with the committed tokens, resyncing the session when the service disagrees.
+    async def prefill(self, committed: list[int]) -> None:
+        """Open the session holding the committed tokens but the last (the first call sends that one)."""
+        await self._retrying(lambda: self._open(committed))
 
-        Raises ServiceFailed when the service refuses for good, or stays unavailable longer
-        than the retry window (a required service) or at all (an optional one).
-        """
+    async def propose(self, committed: list[int], k: int, sampling: common_pb2.SamplingParams):
+        """Draft: K guesses after the committed tokens (and, when sampling, their q rows)."""
+        reply, seconds = await self._call(
+            committed,
+            lambda cursor: self.stub.Propose(
+                draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=sampling),
+                timeout=self.timeout(self.policy.propose_timeout_s),
+            ),
+        )
+        self._record(committed + list(reply.draft_tokens), reply.cached_tokens)
+        return reply, seconds
+
+    async def verify(self, committed: list[int], draft_tokens, q, sampling: common_pb2.SamplingParams):
+        """Target: the accepted guesses plus its own token, scored in one pass."""
+        reply, seconds = await self._call(
+            committed,
+            lambda cursor: self.stub.Verify(
+                target_pb2.VerifyRequest(cursor=cursor, draft_tokens=draft_tokens, q=q, sampling=sampling),
+                timeout=self.timeout(),
+            ),
+        )
+        self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
+        return reply, seconds
+
+    async def decode(self, committed: list[int], sampling: common_pb2.SamplingParams):
+        """Target, speculation off: one token of its own."""
+        reply, seconds = await self._call(
+            committed,
+            lambda cursor: self.stub.Decode(
+                target_pb2.DecodeRequest(cursor=cursor, sampling=sampling), timeout=self.timeout()
+            ),
+        )
+        self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
+        return reply, seconds
+
+    async def release(self) -> None:
+        if self.opened:
+            self.opened = False
+            await self.stub.Release(common_pb2.ReleaseRequest(session_id=self.session_id), timeout=RELEASE_TIMEOUT_S)
+
+    # -- the record ----------------------------------------------------------------------------
+
+    def _record(self, known: list[int], cached: int) -> None:
+        """The service says it holds KV for `cached` tokens: the first ones of `known` (what the
+        orchestrator sent or was answered). More than that cannot be vouched for: keep nothing, so
+        the next call resends from token 0 (the service truncates to it) instead of trusting it."""
+        if cached <= len(known):
+            self.held = known[:cached]
+            return
+        self.held = []
+        self.resyncs += 1
+        log.warning(
+            "the %s service says session %s holds %d tokens, the orchestrator knows of %d: resending all",
+            self.name,
+            self.session_id,
+            cached,
+            len(known),
+        )
+
+    async def _open(self, committed: list[int]) -> None:
+        tokens = committed[:-1]
+        cursor = common_pb2.SessionCursor(session_id=self.session_id, start=0, fingerprint=0, tokens=tokens)
+        self.opened = True  # before the call: a reply lost after the service opened it still gets a Release
+        reply = await self.stub.Prefill(common_pb2.PrefillRequest(cursor=cursor), timeout=self.timeout())
+        self._record(tokens, reply.cached_tokens)
+
+    async def _call(self, committed: list[int], send: Callable[[common_pb2.SessionCursor], grpc.aio.UnaryUnaryCall]):
+        """send(cursor) for the committed tokens, resyncing the session when the service disagrees."""
         resyncs_left = RESYNC_ATTEMPTS
 
         async def attempt():
             nonlocal resyncs_left
             while True:
                 try:
-                    if self.lost:
-                        await self._open(committed[:-1])  # restarted or evicted: full re-prefill
-                    return await send(self.cursor(committed))
+                    if self.held is None:
+                        await self._open(committed)  # new, restarted or evicted: a full prefill
+                    return await _served(send(self.cursor(committed)))
                 except grpc.aio.AioRpcError as error:
-                    code = error.code()
-                    if not resyncs_left or code not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                    if not resyncs_left or error.code() not in RESYNC_CODES:
                         raise
                     resyncs_left -= 1
                     self.resyncs += 1
-                    if code == grpc.StatusCode.NOT_FOUND:
-                        self.lost = True
-                    else:
-                        self.mirror = _agreed_prefix(error, committed)
+                    lost = error.code() == grpc.StatusCode.NOT_FOUND
+                    self.held = None if lost else _agreed_prefix(error, committed)
 
         return await self._retrying(attempt)
 
-    async def release(self) -> None:
-        if self.opened:
-            self.opened = False
-            await self.stub.Release(common_pb2.ReleaseRequest(session_id=self.session_id),
-                                    timeout=RELEASE_TIMEOUT_S)
-
-    async def _open(self, tokens: list[int]) -> None:
-        cursor = common_pb2.SessionCursor(session_id=self.session_id, start=0, fingerprint=0, tokens=tokens)
-        self.opened = True  # before the call: a reply lost after the service opened it still gets a Release
-        await self.stub.Prefill(common_pb2.PrefillRequest(cursor=cursor), timeout=self.timeout())
-        self.mirror, self.lost = list(tokens), False
+    # -- faults --------------------------------------------------------------------------------
 
     async def _retrying(self, attempt: Callable[[], Awaitable]):
         """attempt() until it answers; transient failures are retried with back-off in the window."""
+        if self._spent():  # a call that can only time out is not sent: the request ends DEADLINE_EXCEEDED
+            raise ServiceFailed(
+                self.name,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"the request's deadline passed before the {self.name} call",
+            )
         backoff, started = Backoff(self.retry_window_s), time.monotonic()
         while True:
             try:
@@ -106,19 +188,35 @@ class RemoteSession:
                     raise self._failed(error, backoff.attempts, time.monotonic() - started) from error
                 await asyncio.sleep(pause)
 
+    def _spent(self) -> bool:
+        """The request's deadline has passed, or is within 10 ms: too close for a call."""
+        left = self.seconds_left()
+        return left is not None and left <= SPENT_S
+
     def _transient(self, error: grpc.aio.AioRpcError) -> bool:
         """Unavailable (restarting, unreachable), or slower than the per-call cap while the request has time."""
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             return True
-        left = self.seconds_left()
-        return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and (left is None or left > 0.01)
+        return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self._spent()
 
     def _failed(self, error: grpc.aio.AioRpcError, retries: int, seconds: float) -> ServiceFailed:
         if retries and self._transient(error):
-            return ServiceFailed(self.name, grpc.StatusCode.UNAVAILABLE, (
-                f"the {self.name} service did not answer for {seconds:.1f} s over {retries + 1} attempts "
-                f"(last: {error.code().name}: {error.details()}); the request was stopped, retry it"))
+            return ServiceFailed(
+                self.name,
+                grpc.StatusCode.UNAVAILABLE,
+                (
+                    f"the {self.name} service did not answer for {seconds:.1f} s over {retries + 1} attempts "
+                    f"(last: {error.code().name}: {error.details()}); the request was stopped, retry it"
+                ),
+            )
         return ServiceFailed(self.name, error.code(), f"{error.details()} (from the {self.name} service)")
+
+
+async def _served(call: grpc.aio.UnaryUnaryCall) -> tuple:
+    """Await a call; returns (reply, seconds the service says it spent on it, or None)."""
+    reply = await call
+    seconds = dict(await call.trailing_metadata() or ()).get(SERVICE_SECONDS_KEY)
+    return reply, None if seconds is None else float(seconds)
 
 
 def _agreed_prefix(error: grpc.aio.AioRpcError, committed: list[int]) -> list[int]:

@@ -31,8 +31,8 @@ class OutputText:
         window = self._decode(self.tokens[prefix_offset:])
         if window.endswith(REPLACEMENT):
             return ""  # a character is still incomplete: wait for its next bytes
-        settled = self._decode(self.tokens[prefix_offset:self.read_offset])
-        self.text += window[len(settled):]
+        settled = self._decode(self.tokens[prefix_offset : self.read_offset])
+        self.text += window[len(settled) :]
         self.read_offset = len(self.tokens)
         return self._release()
 
@@ -53,7 +53,7 @@ class OutputText:
             end = min(end, len(self.text) - self._stop_prefix_length())
         if end < self.printed:
             return ""
-        released, self.printed = self.text[self.printed:end], end
+        released, self.printed = self.text[self.printed : end], end
         return released
 
     def _stop_prefix_length(self) -> int:

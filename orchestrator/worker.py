@@ -18,11 +18,11 @@ import grpc
 import ray
 from ray.exceptions import RayActorError
 
-from specd.proto.auth import ClientSecurity
 from specd.orchestrator.adaptive import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.proto.auth import ClientSecurity
 from specd.v1 import common_pb2
 
 
@@ -35,8 +35,13 @@ class Failed:
 
 
 class GenerationWorker:
-    def __init__(self, draft_address: str, target_address: str, policy: FaultPolicy = FaultPolicy(),
-                 security: ClientSecurity = ClientSecurity()):
+    def __init__(
+        self,
+        draft_address: str,
+        target_address: str,
+        policy: FaultPolicy = FaultPolicy(),
+        security: ClientSecurity = ClientSecurity(),
+    ):
         self.addresses = (draft_address, target_address)
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
@@ -51,8 +56,16 @@ class GenerationWorker:
 
     async def generate(self, request: GenerationRequest):
         await self._connect()
-        generation = Generation(request, self.pair.draft_stub, self.pair.target_stub, self.pair.tokenizer,
-                                set(self.pair.target_info.eos_token_ids), self.policy, self.draft_gate, self.costs)
+        generation = Generation(
+            request,
+            self.pair.draft_stub,
+            self.pair.target_stub,
+            self.pair.tokenizer,
+            set(self.pair.target_info.eos_token_ids),
+            self.policy,
+            self.draft_gate,
+            self.costs,
+        )
         try:
             async for event in generation.run():
                 yield event
@@ -73,12 +86,21 @@ RemoteWorker = ray.remote(GenerationWorker)
 class WorkerPool:
     """N Ray actors; each request goes to the one with the fewest requests in flight."""
 
-    def __init__(self, draft_address: str, target_address: str, workers: int = 2, concurrency: int = 64,
-                 policy: FaultPolicy = FaultPolicy(), security: ClientSecurity = ClientSecurity(),
-                 max_requests: int | None = None, pair: ServicePair | None = None):
+    def __init__(
+        self,
+        draft_address: str,
+        target_address: str,
+        workers: int = 2,
+        concurrency: int = 64,
+        policy: FaultPolicy = FaultPolicy(),
+        security: ClientSecurity = ClientSecurity(),
+        max_requests: int | None = None,
+        pair: ServicePair | None = None,
+    ):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
-                draft_address, target_address, policy, security)
+                draft_address, target_address, policy, security
+            )
             for _ in range(workers)
         ]
         self.max_requests = max_requests  # requests in flight over all actors; None = no limit
@@ -91,9 +113,13 @@ class WorkerPool:
 
     async def generate(self, request: GenerationRequest):
         if self.max_requests is not None and sum(self.in_flight) >= self.max_requests:
-            yield Failed("RESOURCE_EXHAUSTED", (
-                f"the orchestrator is already running {sum(self.in_flight)} requests, its limit "
-                f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"))
+            yield Failed(
+                "RESOURCE_EXHAUSTED",
+                (
+                    f"the orchestrator is already running {sum(self.in_flight)} requests, its limit "
+                    f"(--max-concurrent-requests {self.max_requests}); retry later or use another replica"
+                ),
+            )
             return
         request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
         tried: set[int] = set()
@@ -112,9 +138,13 @@ class WorkerPool:
             except RayActorError as error:
                 await self._release(request.session_id)
                 if started or len(tried) == len(self.actors):
-                    yield Failed("UNAVAILABLE", (
-                        f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
-                        f"by itself: retry the request"))
+                    yield Failed(
+                        "UNAVAILABLE",
+                        (
+                            f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
+                            f"by itself: retry the request"
+                        ),
+                    )
                     return
                 # Nothing was sent yet (the actor is still restarting): another actor serves it.
 
@@ -137,8 +167,11 @@ class WorkerPool:
         """Release a dead actor's sessions now rather than at idle eviction."""
         if self.pair:
             release = common_pb2.ReleaseRequest(session_id=session_id)
-            await asyncio.gather(self.pair.draft_stub.Release(release, timeout=5.0),
-                                 self.pair.target_stub.Release(release, timeout=5.0), return_exceptions=True)
+            await asyncio.gather(
+                self.pair.draft_stub.Release(release, timeout=5.0),
+                self.pair.target_stub.Release(release, timeout=5.0),
+                return_exceptions=True,
+            )
 
     def shutdown(self) -> None:
         for actor in self.actors:

@@ -58,8 +58,9 @@ class _AttachToken:
 
     def _with_token(self, details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
         metadata = grpc.aio.Metadata(*(details.metadata or ()), self.header)
-        return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials,
-                                          details.wait_for_ready)
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, details.wait_for_ready
+        )
 
 
 # One class per call shape: grpc.aio files an interceptor under the first shape it subclasses.
@@ -75,10 +76,16 @@ class _TokenOnStream(_AttachToken, grpc.aio.UnaryStreamClientInterceptor):
 
 # -- command-line flags -----------------------------------------------------------------------
 
+
 def add_server_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--token", default=None,
-                        help=f"require this bearer token on every call but health checks (default: ${TOKEN_ENV}, else none)")
-    parser.add_argument("--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate (needs --tls-key)")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help=f"require this bearer token on every call but health checks (default: ${TOKEN_ENV}, else none)",
+    )
+    parser.add_argument(
+        "--tls-cert", default=None, metavar="PEM", help="serve TLS with this certificate (needs --tls-key)"
+    )
     parser.add_argument("--tls-key", default=None, metavar="PEM", help="private key of --tls-cert")
 
 
@@ -86,7 +93,9 @@ def add_client_flags(parser: argparse.ArgumentParser, towards: str, token: bool 
     """--tls-ca, and --token unless the server flags have it (the orchestrator uses one token both ways)."""
     if token:
         parser.add_argument("--token", default=None, help=f"bearer token for {towards} (default: ${TOKEN_ENV})")
-    parser.add_argument("--tls-ca", default=None, metavar="PEM", help=f"connect to {towards} over TLS, trusting this CA")
+    parser.add_argument(
+        "--tls-ca", default=None, metavar="PEM", help=f"connect to {towards} over TLS, trusting this CA"
+    )
 
 
 def server_security_from_args(args: argparse.Namespace) -> ServerSecurity:

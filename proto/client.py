@@ -18,11 +18,22 @@ class Completion:
     started: float = 0.0
 
 
-def make_request(prompt: str, max_new_tokens: int = 128, temperature: float = 0.0, top_p: float = 1.0,
-                 top_k: int = 0, seed: int = 0, stop: list[str] = (), draft_tokens: int | None = None,
-                 ignore_eos: bool = False) -> specdecode_pb2.GenerateRequest:
+def make_request(
+    prompt: str,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop: list[str] = (),
+    draft_tokens: int | None = None,
+    ignore_eos: bool = False,
+) -> specdecode_pb2.GenerateRequest:
     request = specdecode_pb2.GenerateRequest(
-        prompt=prompt, max_new_tokens=max_new_tokens, stop=list(stop), ignore_eos=ignore_eos,
+        prompt=prompt,
+        max_new_tokens=max_new_tokens,
+        stop=list(stop),
+        ignore_eos=ignore_eos,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
     )
     if draft_tokens is not None:
@@ -30,7 +41,9 @@ def make_request(prompt: str, max_new_tokens: int = 128, temperature: float = 0.
     return request
 
 
-async def complete(stub: specdecode_pb2_grpc.SpecDecodeStub, request, on_text=None, timeout: float | None = None) -> Completion:
+async def complete(
+    stub: specdecode_pb2_grpc.SpecDecodeStub, request, on_text=None, timeout: float | None = None
+) -> Completion:
     """Run one Generate call to the end; on_text(delta_text) sees the text as it streams."""
     completion = Completion(started=time.perf_counter())
     async for reply in stub.Generate(request, timeout=timeout):

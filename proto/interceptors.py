@@ -9,7 +9,7 @@
 """
 
 import hmac
-from typing import Callable
+from collections.abc import Callable
 
 import grpc
 
@@ -28,8 +28,11 @@ class BearerToken(grpc.aio.ServerInterceptor):
         if isinstance(given, str) and hmac.compare_digest(given.encode(), self.expected):
             return handler
         reason = "no `authorization: Bearer <token>` metadata" if not given else "the bearer token is wrong"
-        return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
-                         f"{reason}: this server requires a token (pass --token or set SPECD_TOKEN)")
+        return _refusing(
+            handler,
+            grpc.StatusCode.UNAUTHENTICATED,
+            f"{reason}: this server requires a token (pass --token or set SPECD_TOKEN)",
+        )
 
 
 class MalformedRequests(grpc.aio.ServerInterceptor):
@@ -56,31 +59,38 @@ class _Unparsable:
 
 def _refuse_unparsable(behavior: Callable, streaming: bool) -> Callable:
     if streaming:
+
         async def stream(request, context):
             if isinstance(request, _Unparsable):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
             async for reply in behavior(request, context):
                 yield reply
+
         return stream
 
     async def unary(request, context):
         if isinstance(request, _Unparsable):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
         return await behavior(request, context)
+
     return unary
 
 
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, message: str) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that ends every call with (code, message)."""
+
     def refuse(behavior: Callable, streaming: bool) -> Callable:
         if streaming:
+
             async def stream(request, context):
                 await context.abort(code, message)
                 yield  # never reached: makes this an async generator, as the shape needs
+
             return stream
 
         async def unary(request, context):
             await context.abort(code, message)
+
         return unary
 
     return _rewrap(handler, handler.request_deserializer, refuse)

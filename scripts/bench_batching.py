@@ -18,8 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from specd.deploy.local import LocalStack, StackConfig
 from specd.bench.loadtest import Settings, load_prompts, run_loadtest
+from specd.deploy.local import LocalStack, StackConfig
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 SETTINGS = {"batching off": ["--max-batch-size", "1"], "batching on": []}
@@ -40,8 +40,11 @@ async def measure(args) -> dict:
                     run = report["runs"][0]
                     run["batch_sizes"] = difference(await batch_sizes(stack), before)
                     results[f"{name}, {mode}, {count}"] = run
-                    print(f"{name:13} {mode:16} {count} streams: {run['output_tokens_per_s']:.2f} tok/s "
-                          f"(passes by size: {run['batch_sizes']})", flush=True)
+                    print(
+                        f"{name:13} {mode:16} {count} streams: {run['output_tokens_per_s']:.2f} tok/s "
+                        f"(passes by size: {run['batch_sizes']})",
+                        flush=True,
+                    )
         finally:
             stack.stop()
     return {"streams": streams, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "runs": results}
@@ -50,7 +53,8 @@ async def measure(args) -> dict:
 async def batch_sizes(stack: LocalStack) -> dict[str, dict[int, int]]:
     """Passes run so far by each service, by batch size."""
     sizes = {}
-    for child, stub_class in zip(stack.children[:2], (draft_pb2_grpc.DraftServiceStub, target_pb2_grpc.TargetServiceStub)):
+    stub_classes = (draft_pb2_grpc.DraftServiceStub, target_pb2_grpc.TargetServiceStub)
+    for child, stub_class in zip(stack.children[:2], stub_classes):
         async with grpc.aio.insecure_channel(child.address) as channel:
             info = await stub_class(channel).Info(common_pb2.InfoRequest())
         sizes[child.name] = dict(info.batch_sizes)
@@ -58,26 +62,35 @@ async def batch_sizes(stack: LocalStack) -> dict[str, dict[int, int]]:
 
 
 def difference(after: dict, before: dict) -> dict:
-    return {name: {size: count - before[name].get(size, 0) for size, count in sorted(passes.items())
-                   if count - before[name].get(size, 0)} for name, passes in after.items()}
+    return {
+        name: {
+            size: count - before[name].get(size, 0)
+            for size, count in sorted(passes.items())
+            if count - before[name].get(size, 0)
+        }
+        for name, passes in after.items()
+    }
 
 
 def table(report: dict) -> str:
     runs, streams = report["runs"], report["streams"]
-    lines = ["| streams | " + " | ".join(f"{n}, {m}" for n in SETTINGS for m in ("speculative", "speculation off")) + " |",
-             "|---|" + "---|" * 4]
+    modes = ("speculative", "speculation off")
+    lines = ["| streams | " + " | ".join(f"{n}, {m}" for n in SETTINGS for m in modes) + " |", "|---|" + "---|" * 4]
     for count in streams:
-        cells = [f"{runs[f'{n}, {m}, {count}']['output_tokens_per_s']:.2f}" for n in SETTINGS
-                 for m in ("speculative", "speculation off")]
+        cells = [f"{runs[f'{n}, {m}, {count}']['output_tokens_per_s']:.2f}" for n in SETTINGS for m in modes]
         lines.append(f"| {count} | " + " | ".join(cells) + " |")
     base = runs[f"batching off, speculation off, {streams[0]}"]["output_tokens_per_s"]
     best = runs[f"batching on, speculative, {streams[-1]}"]["output_tokens_per_s"]
-    lines.append(f"\n{streams[-1]}-stream speculative with batching / single-stream speculation-off: {best / base:.2f}x (goal 3x)")
+    lines.append(
+        f"\n{streams[-1]}-stream speculative with batching / single-stream speculation-off: "
+        f"{best / base:.2f}x (goal 3x)"
+    )
     return "\n".join(lines)
 
 
 def plot(report: dict, path: str) -> None:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -89,8 +102,13 @@ def plot(report: dict, path: str) -> None:
             axes.plot(streams, values, style, label=f"{name}, {mode}")
     base = runs[f"batching off, speculation off, {streams[0]}"]["output_tokens_per_s"]
     axes.axhline(3 * base, color="grey", linewidth=0.8, linestyle=":", label="goal: 3x single-stream speculation-off")
-    axes.set(xlabel="concurrent streams", ylabel="total output tokens/s", xticks=streams,
-             title=f"Batching across requests ({report['dtype'] or 'default dtype'}, {report['max_new_tokens']} tokens each)")
+    axes.set(
+        xlabel="concurrent streams",
+        ylabel="total output tokens/s",
+        xticks=streams,
+        title=f"Batching across requests ({report['dtype'] or 'default dtype'}, "
+        f"{report['max_new_tokens']} tokens each)",
+    )
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -28,8 +28,8 @@ from rich.progress import (
 from rich.table import Table
 
 from specd.cli.common import write_report
-from specd.proto.client import channel, complete, make_request
 from specd.deploy.lab import Lab, LabConfig, namespaces_refused
+from specd.proto.client import channel, complete, make_request
 from specd.v1 import common_pb2, specdecode_pb2_grpc
 
 PROMPTS = ("def quicksort(arr):", "# Write a function that parses an ISO 8601 date string")
@@ -55,12 +55,17 @@ def parse_args() -> argparse.Namespace:
 async def run(args, console: Console) -> dict:
     rtts = [float(rtt) for rtt in args.rtts.split(",")]
     ks = [0] + [int(k) for k in args.ks.split(",")]
-    prompts = PROMPTS[:args.prompts]
+    prompts = PROMPTS[: args.prompts]
     refused = None if args.loopback else namespaces_refused()
     if refused:
         console.print(f"[yellow]network namespaces refused ({refused}): the loopback lab instead")
-    config = LabConfig(draft_model=args.draft_model, target_model=args.target_model, dtype=args.dtype,
-                       namespaces=not (args.loopback or refused), up_flags=["--draft-quantize", args.draft_quantize])
+    config = LabConfig(
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        namespaces=not (args.loopback or refused),
+        up_flags=["--draft-quantize", args.draft_quantize],
+    )
     started = time.monotonic()
     async with Lab(config, say=console.print) as lab:
         await lab.deploy()
@@ -71,17 +76,32 @@ async def run(args, console: Console) -> dict:
             info = await stub.Info(common_pb2.InfoRequest())
             partial = args.json.with_suffix(".partial.json") if args.json else None
             runs = await sweep(lab, stub, rtts, ks, prompts, args.max_new_tokens, partial)
-    return {"lab": "namespaces" if config.namespaces else "loopback", "dtype": args.dtype,
-            "models": {role: {"model": part.model, "dtype": part.dtype, "quantization": part.quantization}
-                       for role, part in (("draft", info.draft), ("target", info.target))},
-            "max_new_tokens": args.max_new_tokens, "prompts": list(prompts), "rtts_ms": rtts, "ks": ks,
-            "wall_s": round(time.monotonic() - started, 1), "runs": runs, "summary": summarize(runs, rtts)}
+    return {
+        "lab": "namespaces" if config.namespaces else "loopback",
+        "dtype": args.dtype,
+        "models": {
+            role: {"model": part.model, "dtype": part.dtype, "quantization": part.quantization}
+            for role, part in (("draft", info.draft), ("target", info.target))
+        },
+        "max_new_tokens": args.max_new_tokens,
+        "prompts": list(prompts),
+        "rtts_ms": rtts,
+        "ks": ks,
+        "wall_s": round(time.monotonic() - started, 1),
+        "runs": runs,
+        "summary": summarize(runs, rtts),
+    }
 
 
 async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens, partial: Path | None) -> list[dict]:
     runs = []
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-               TimeRemainingColumn())
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+    )
     with Progress(*columns) as progress:
         task = progress.add_task("sweep", total=len(rtts) * len(ks) * len(prompts))
         for rtt in rtts:
@@ -95,11 +115,20 @@ async def sweep(lab: Lab, stub, rtts, ks, prompts, max_new_tokens, partial: Path
                     seconds = time.perf_counter() - started
                     off_tokens = done.token_ids if k == 0 else off_tokens
                     stats = done.final.stats
-                    runs.append({"rtt_ms": rtt, "prompt": prompt_index, "k": k, "seconds": round(seconds, 3),
-                                 "tokens": len(done.token_ids), "tokens_per_s": round(len(done.token_ids) / seconds, 3),
-                                 "acceptance_rate": round(stats.acceptance_rate, 3), "steps": stats.steps,
-                                 "network_seconds": round(stats.network_seconds, 3),
-                                 "equals_speculation_off": done.token_ids == off_tokens})
+                    runs.append(
+                        {
+                            "rtt_ms": rtt,
+                            "prompt": prompt_index,
+                            "k": k,
+                            "seconds": round(seconds, 3),
+                            "tokens": len(done.token_ids),
+                            "tokens_per_s": round(len(done.token_ids) / seconds, 3),
+                            "acceptance_rate": round(stats.acceptance_rate, 3),
+                            "steps": stats.steps,
+                            "network_seconds": round(stats.network_seconds, 3),
+                            "equals_speculation_off": done.token_ids == off_tokens,
+                        }
+                    )
                     progress.advance(task)
             if partial:  # a run cut short keeps what it measured
                 partial.write_text(json.dumps(runs, indent=1) + "\n")
@@ -117,10 +146,16 @@ def summarize(runs: list[dict], rtts: list[float]) -> list[dict]:
             by_k[k] = sum(run["tokens"] for run in of_k) / sum(run["seconds"] for run in of_k)
         off = by_k.pop(0)
         best_k = max(by_k, key=by_k.get)
-        rows.append({"rtt_ms": rtt, "off_tokens_per_s": round(off, 3),
-                     "tokens_per_s_by_k": {k: round(value, 3) for k, value in by_k.items()},
-                     "best_k": best_k, "best_tokens_per_s": round(by_k[best_k], 3),
-                     "best_speedup": round(by_k[best_k] / off, 3)})
+        rows.append(
+            {
+                "rtt_ms": rtt,
+                "off_tokens_per_s": round(off, 3),
+                "tokens_per_s_by_k": {k: round(value, 3) for k, value in by_k.items()},
+                "best_k": best_k,
+                "best_tokens_per_s": round(by_k[best_k], 3),
+                "best_speedup": round(by_k[best_k] / off, 3),
+            }
+        )
     return rows
 
 
@@ -131,12 +166,19 @@ def print_summary(report: dict, console: Console) -> None:
         table.add_column(header, justify="right")
     for row in report["summary"]:
         by_k = row["tokens_per_s_by_k"]
-        table.add_row(f"{row['rtt_ms']:g}", f"{row['off_tokens_per_s']:.2f}", *(f"{by_k[k]:.2f}" for k in ks),
-                      str(row["best_k"]), f"{row['best_speedup']:.2f}×")
+        table.add_row(
+            f"{row['rtt_ms']:g}",
+            f"{row['off_tokens_per_s']:.2f}",
+            *(f"{by_k[k]:.2f}" for k in ks),
+            str(row["best_k"]),
+            f"{row['best_speedup']:.2f}×",
+        )
     console.print(table)
     mismatched = [run for run in report["runs"] if not run["equals_speculation_off"]]
-    console.print(f"{len(mismatched)} of {len(report['runs'])} runs differ from speculation off "
-                  "(bf16: batched scoring may round differently)")
+    console.print(
+        f"{len(mismatched)} of {len(report['runs'])} runs differ from speculation off "
+        "(bf16: batched scoring may round differently)"
+    )
 
 
 def save_plot(report: dict, path: Path) -> None:
@@ -150,22 +192,29 @@ def save_plot(report: dict, path: Path) -> None:
     summary = report["summary"]
     for row in summary:
         measured = {int(k): value for k, value in row["tokens_per_s_by_k"].items()}  # JSON keys are strings
-        line, = by_k.plot(ks, [measured[k] for k in ks], marker="o", label=f"RTT {row['rtt_ms']:g} ms")
+        (line,) = by_k.plot(ks, [measured[k] for k in ks], marker="o", label=f"RTT {row['rtt_ms']:g} ms")
         by_k.axhline(row["off_tokens_per_s"], color=line.get_color(), linestyle="--", linewidth=1)
     by_k.set(xlabel="K (draft tokens per step)", ylabel="tokens/s", title="speculative (solid) vs off (dashed)")
     by_k.legend()
     rtts = [row["rtt_ms"] for row in summary]
     speedup.plot(rtts, [row["best_speedup"] for row in summary], marker="o")
     for row in summary:
-        speedup.annotate(f"K={row['best_k']}", (row["rtt_ms"], row["best_speedup"]), textcoords="offset points",
-                         xytext=(0, 6), ha="center")
+        speedup.annotate(
+            f"K={row['best_k']}",
+            (row["rtt_ms"], row["best_speedup"]),
+            textcoords="offset points",
+            xytext=(0, 6),
+            ha="center",
+        )
     speedup.axhline(1.0, color="grey", linestyle=":")
     speedup.set_xscale("symlog", linthresh=1)
     speedup.set_xlim(0, max(rtts) * 1.5)
     speedup.margins(y=0.15)
     speedup.set(xlabel="round-trip time, ms", ylabel="best speculative / off", title="speed-up at the best K")
-    figure.suptitle(f"specd network lab ({report['lab']}, {report['dtype']}, {len(report['prompts'])} prompt(s) x "
-                    f"{report['max_new_tokens']} tokens)")
+    figure.suptitle(
+        f"specd network lab ({report['lab']}, {report['dtype']}, {len(report['prompts'])} prompt(s) x "
+        f"{report['max_new_tokens']} tokens)"
+    )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
 

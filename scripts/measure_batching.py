@@ -12,13 +12,14 @@ import time
 
 import torch
 
-from specd.proto.contract import fingerprint
-from specd.draft_service.engine import DraftEngine, ProposeCall
+from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.loading import default_dtype, load_model
 from specd.model.sampling import Sampling
-from specd.proto.limits import Limits
 from specd.model.sessions import Cursor
-from specd.target_service.engine import TargetEngine, VerifyCall
+from specd.model.transformers_engine import TransformersEngine
+from specd.proto.contract import fingerprint
+from specd.proto.limits import Limits
+from specd.target_service.verifier import Verifier, VerifyCall
 
 
 def main() -> None:
@@ -30,17 +31,22 @@ def main() -> None:
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args()
     dtype = args.dtype or str(default_dtype()).removeprefix("torch.")
-    draft = DraftEngine(load_model("draft", dtype), Limits())
-    target = TargetEngine(load_model("target", dtype), Limits())
+    draft = Drafter(TransformersEngine(load_model("draft", dtype)), Limits())
+    target = Verifier(TransformersEngine(load_model("target", dtype)), Limits())
     sizes = [int(size) for size in args.batch.split(",")]
     print(f"{dtype}, K={args.k}, {args.context} cached tokens per session, median of {args.repeats}")
-    print(f"{'B':>3} {'Propose batch':>14} {'Verify batch':>13} {'Decode batch':>13} {'spec step/B':>12} {'decode/B':>9}")
+    print(
+        f"{'B':>3} {'Propose batch':>14} {'Verify batch':>13} {'Decode batch':>13} {'spec step/B':>12} {'decode/B':>9}"
+    )
     for size in sizes:
         propose = timed(draft, size, args, lambda engine, calls: engine.propose_batch(calls), propose_calls)
         verify = timed(target, size, args, lambda engine, calls: engine.verify_batch(calls), verify_calls)
         decode = timed(target, size, args, lambda engine, calls: engine.verify_batch(calls), decode_calls)
-        print(f"{size:>3} {propose:>12.0f}ms {verify:>11.0f}ms {decode:>11.0f}ms "
-              f"{(propose + verify) / size:>10.0f}ms {decode / size:>7.0f}ms", flush=True)
+        print(
+            f"{size:>3} {propose:>12.0f}ms {verify:>11.0f}ms {decode:>11.0f}ms "
+            f"{(propose + verify) / size:>10.0f}ms {decode / size:>7.0f}ms",
+            flush=True,
+        )
 
 
 def context_tokens(row: int, length: int) -> list[int]:

@@ -23,17 +23,18 @@ import time
 import grpc
 import torch
 
-from specd.proto.contract import fingerprint
-from specd.draft_service.engine import DraftEngine, ProposeCall
+from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import default_dtype, load_model
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Scheduler
-from specd.proto.limits import Limits
 from specd.model.sessions import Cursor
-from specd.serving.server import model_info
-from specd.target_service.engine import TargetEngine, VerifyCall
+from specd.model.transformers_engine import TransformersEngine
+from specd.proto.contract import fingerprint
+from specd.proto.limits import Limits
+from specd.serving.messages import model_info
 from specd.target_service.server import create_target_server
+from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 
 # Plain code, long enough to give --context tokens of realistic text.
@@ -111,23 +112,30 @@ async def measure(args) -> None:
     began = time.perf_counter()
     draft_loaded = load_model(args.draft, args.dtype, args.threads)
     target_loaded = load_model(args.target, args.dtype, args.threads)
-    print(f"loaded draft and target ({args.dtype}, {torch.get_num_threads()} threads) "
-          f"in {time.perf_counter() - began:.1f} s")
+    print(
+        f"loaded draft and target ({args.dtype}, {torch.get_num_threads()} threads) "
+        f"in {time.perf_counter() - began:.1f} s"
+    )
     if args.dtype == "bfloat16" and default_dtype() != "bfloat16":
-        print("note: this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 matmuls are emulated and "
-              "cost grows with the tokens per pass; specd picks float32 by default here")
+        print(
+            "note: this CPU has no native bf16 (avx512_bf16/amx_bf16): bf16 matmuls are emulated and "
+            "cost grows with the tokens per pass; specd picks float32 by default here"
+        )
     load_before = os.getloadavg()[0]
     limits = Limits()
     engines = {}
 
     def make(role, engine_class, loaded):
         def load():
-            engines[role] = engine_class(loaded, limits)
+            engines[role] = engine_class(TransformersEngine(loaded), limits)
             return engines[role]
+
         return load
 
-    servers = [create_draft_server(make("draft", DraftEngine, draft_loaded)),
-               create_target_server(make("target", TargetEngine, target_loaded))]
+    servers = [
+        create_draft_server(make("draft", Drafter, draft_loaded)),
+        create_target_server(make("target", Verifier, target_loaded)),
+    ]
     for server in servers:
         await server.start("127.0.0.1:0")
         await server.load()
@@ -143,55 +151,99 @@ async def measure(args) -> None:
     held = args.context
 
     def proto_cursor(session):
-        return common_pb2.SessionCursor(session_id=session, start=held, fingerprint=fingerprint(committed[:held]),
-                                        tokens=committed[held:])
+        return common_pb2.SessionCursor(
+            session_id=session, start=held, fingerprint=fingerprint(committed[:held]), tokens=committed[held:]
+        )
 
     def engine_cursor(session):
         return Cursor(session, held, fingerprint(committed[:held]), committed[held:])
 
-    opening = lambda session: common_pb2.PrefillRequest(cursor=common_pb2.SessionCursor(
-        session_id=session, start=0, fingerprint=0, tokens=committed[:held]))
+    def opening(session):
+        return common_pb2.PrefillRequest(
+            cursor=common_pb2.SessionCursor(session_id=session, start=0, fingerprint=0, tokens=committed[:held])
+        )
+
     for session in ("grpc", "direct"):
         await draft.Prefill(opening(session))
         await target.Prefill(opening(session))
 
     k, greedy = args.k, Sampling()
-    drafts = list((await draft.Propose(draft_pb2.ProposeRequest(cursor=proto_cursor("grpc"), num_draft_tokens=k))).draft_tokens)
+    drafts = list(
+        (await draft.Propose(draft_pb2.ProposeRequest(cursor=proto_cursor("grpc"), num_draft_tokens=k))).draft_tokens
+    )
     rows = []  # (what, over gRPC samples, direct samples)
 
     propose = draft_pb2.ProposeRequest(cursor=proto_cursor("grpc"), num_draft_tokens=k)
-    rows.append((f"Propose(K={k})", *await time_pair(
-        lambda: draft.Propose(propose), lambda: draft_engine.propose(ProposeCall(engine_cursor("direct"), k, greedy)), args.repeats)))
+    rows.append(
+        (
+            f"Propose(K={k})",
+            *await time_pair(
+                lambda: draft.Propose(propose),
+                lambda: draft_engine.propose(ProposeCall(engine_cursor("direct"), k, greedy)),
+                args.repeats,
+            ),
+        )
+    )
     verify = target_pb2.VerifyRequest(cursor=proto_cursor("grpc"), draft_tokens=drafts)
-    rows.append((f"Verify(K={k})", *await time_pair(
-        lambda: target.Verify(verify), lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), drafts, [], greedy)),
-        args.repeats)))
+    rows.append(
+        (
+            f"Verify(K={k})",
+            *await time_pair(
+                lambda: target.Verify(verify),
+                lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), drafts, [], greedy)),
+                args.repeats,
+            ),
+        )
+    )
     decode = target_pb2.DecodeRequest(cursor=proto_cursor("grpc"))
-    rows.append(("Decode (1 token)", *await time_pair(
-        lambda: target.Decode(decode), lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), [], [], greedy)),
-        args.repeats)))
+    rows.append(
+        (
+            "Decode (1 token)",
+            *await time_pair(
+                lambda: target.Decode(decode),
+                lambda: target_engine.verify(VerifyCall(engine_cursor("direct"), [], [], greedy)),
+                args.repeats,
+            ),
+        )
+    )
     many = args.repeats * 20  # cheap calls: more samples for a steadier median
     info, scheduler = common_pb2.InfoRequest(), Scheduler()
-    rows.append(("Info (no model work)", *await time_pair(
-        lambda: target.Info(info), lambda: model_info(target_engine, scheduler), many, warmup=20)))
+    rows.append(
+        (
+            "Info (no model work)",
+            *await time_pair(lambda: target.Info(info), lambda: model_info(target_engine, scheduler), many, warmup=20),
+        )
+    )
     release = common_pb2.ReleaseRequest(session_id="nobody")
-    rows.append(("Release, unknown session", *await time_pair(
-        lambda: target.Release(release), lambda: target_engine.release("nobody"), many, warmup=20)))
+    rows.append(
+        (
+            "Release, unknown session",
+            *await time_pair(lambda: target.Release(release), lambda: target_engine.release("nobody"), many, warmup=20),
+        )
+    )
 
-    print(f"\nmedian latency, {args.context} tokens cached, greedy, {args.repeats} repeats "
-          f"({many} for the cheap calls); gRPC on loopback, client in the same process; "
-          f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} cores")
+    print(
+        f"\nmedian latency, {args.context} tokens cached, greedy, {args.repeats} repeats "
+        f"({many} for the cheap calls); gRPC on loopback, client in the same process; "
+        f"load average {load_before:.1f} before, {os.getloadavg()[0]:.1f} after on {os.cpu_count()} cores"
+    )
     print(f"{'call':<26}{'gRPC ms':>10}{'direct ms':>11}{'overhead ms':>13}{'gRPC min..max':>17}")
     for what, over_grpc, direct in rows:
-        print(f"{what:<26}{median_ms(over_grpc):>10.2f}{median_ms(direct):>11.3f}"
-              f"{median_ms(over_grpc) - median_ms(direct):>13.2f}"
-              f"{min(over_grpc) * 1e3:>8.1f}..{max(over_grpc) * 1e3:<7.1f}")
+        print(
+            f"{what:<26}{median_ms(over_grpc):>10.2f}{median_ms(direct):>11.3f}"
+            f"{median_ms(over_grpc) - median_ms(direct):>13.2f}"
+            f"{min(over_grpc) * 1e3:>8.1f}..{max(over_grpc) * 1e3:<7.1f}"
+        )
     t_propose, t_verify, t_decode = (median_ms(rows[i][1]) for i in range(3))
-    print(f"\nper target step: Propose(K={k}) + Verify(K={k}) = {t_propose + t_verify:.0f} ms vs Decode "
-          f"{t_decode:.0f} ms; Verify(K={k}) / Decode = {t_verify / t_decode:.2f}; "
-          f"c = draft token / target step ≈ {t_propose / k / t_decode:.2f}")
-    print(f"break-even: a step of K={k} must emit ≥ {(t_propose + t_verify) / t_decode:.2f} tokens "
-          f"(at most {k + 1}) to beat plain decoding")
+    print(
+        f"\nper target step: Propose(K={k}) + Verify(K={k}) = {t_propose + t_verify:.0f} ms vs Decode "
+        f"{t_decode:.0f} ms; Verify(K={k}) / Decode = {t_verify / t_decode:.2f}; "
+        f"c = draft token / target step ≈ {t_propose / k / t_decode:.2f}"
+    )
+    print(
+        f"break-even: a step of K={k} must emit ≥ {(t_propose + t_verify) / t_decode:.2f} tokens "
+        f"(at most {k + 1}) to beat plain decoding"
+    )
 
     await draft_channel.close()
     await target_channel.close()

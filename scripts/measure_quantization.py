@@ -20,8 +20,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from specd.bench.peers import load_prompts
 from specd.bench.loadtest import DEFAULT_PROMPTS
+from specd.bench.systems import load_prompts
 from specd.model.loading import load_model
 
 SCHEMES = ("none", "int8", "int4")
@@ -29,14 +29,19 @@ SCHEMES = ("none", "int8", "int4")
 
 def continuation(target, prompt_ids: torch.Tensor, tokens: int) -> torch.Tensor:
     with torch.inference_mode():
-        return target.model.generate(prompt_ids, attention_mask=torch.ones_like(prompt_ids), do_sample=False,
-                                     max_new_tokens=tokens, min_new_tokens=tokens)[0]
+        return target.model.generate(
+            prompt_ids,
+            attention_mask=torch.ones_like(prompt_ids),
+            do_sample=False,
+            max_new_tokens=tokens,
+            min_new_tokens=tokens,
+        )[0]
 
 
 def agreement(model, sequence: torch.Tensor, prompt_length: int) -> tuple[int, int]:
     """(positions where the model's greedy guess is the target's token, positions)."""
     with torch.inference_mode():
-        guesses = model(sequence[None]).logits[0, prompt_length - 1:-1].argmax(-1)
+        guesses = model(sequence[None]).logits[0, prompt_length - 1 : -1].argmax(-1)
     truth = sequence[prompt_length:]
     return int((guesses == truth).sum()), truth.numel()
 
@@ -50,7 +55,7 @@ def step_seconds(model, sequence: torch.Tensor, prompt_length: int, steps: int) 
         model(sequence[None, :prompt_length], past_key_values=cache, use_cache=True)
         for position in range(prompt_length, min(len(sequence), prompt_length + steps)):
             started = time.perf_counter()
-            model(sequence[None, position:position + 1], past_key_values=cache, use_cache=True)
+            model(sequence[None, position : position + 1], past_key_values=cache, use_cache=True)
             times.append(time.perf_counter() - started)
     return times
 
@@ -81,13 +86,23 @@ def main() -> None:
         times["target"] += step_seconds(target.model, sequence, prompt_length, args.steps)
     target_step = statistics.median(times["target"])
     report = {
-        "settings": {"prompts": len(prompts), "tokens": args.tokens, "steps": args.steps, "dtype": "bfloat16",
-                     "threads": torch.get_num_threads()},
+        "settings": {
+            "prompts": len(prompts),
+            "tokens": args.tokens,
+            "steps": args.steps,
+            "dtype": "bfloat16",
+            "threads": torch.get_num_threads(),
+        },
         "target_seconds_per_token": target_step,
-        "schemes": {scheme: {"agreement": agreed[scheme][0] / agreed[scheme][1],
-                             "seconds_per_token": statistics.median(times[scheme]),
-                             "seconds_per_token_p25": statistics.quantiles(times[scheme], n=4)[0],
-                             "c": statistics.median(times[scheme]) / target_step} for scheme in SCHEMES},
+        "schemes": {
+            scheme: {
+                "agreement": agreed[scheme][0] / agreed[scheme][1],
+                "seconds_per_token": statistics.median(times[scheme]),
+                "seconds_per_token_p25": statistics.quantiles(times[scheme], n=4)[0],
+                "c": statistics.median(times[scheme]) / target_step,
+            }
+            for scheme in SCHEMES
+        },
     }
     print(json.dumps(report, indent=2))
     if args.json:

@@ -23,11 +23,19 @@ class ServiceMetrics:
 
     def __init__(self, thread):
         self.registry = CollectorRegistry()
-        self.calls = Counter("specd_service_calls", "Model-service calls answered, by method and status code",
-                             ["method", "code"], registry=self.registry)
+        self.calls = Counter(
+            "specd_service_calls",
+            "Model-service calls answered, by method and status code",
+            ["method", "code"],
+            registry=self.registry,
+        )
         self.call_seconds = Histogram(
-            "specd_service_call_seconds", "Seconds a model-service call took inside the service (waiting for "
-            "the model thread included), by method", ["method"], buckets=LATENCY_BUCKETS, registry=self.registry)
+            "specd_service_call_seconds",
+            "Seconds a model-service call took inside the service (waiting for the model thread included), by method",
+            ["method"],
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.registry.register(_ModelThreadCollector(thread))
         self.interceptor = _CallInterceptor(self)
 
@@ -60,7 +68,8 @@ class _CallInterceptor(grpc.aio.ServerInterceptor):
                 metrics.call_seconds.labels(method).observe(time.perf_counter() - started)
 
         return grpc.unary_unary_rpc_method_handler(
-            timed, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer)
+            timed, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+        )
 
 
 def _status_name(context) -> str:
@@ -77,12 +86,16 @@ class _ModelThreadCollector:
         self.thread = thread
 
     def collect(self):
-        store = self.thread.engine.store if self.thread.engine else None  # None while the model loads
+        store = self.thread.service.store if self.thread.service else None  # None while the model loads
         scheduler = self.thread.scheduler
-        yield GaugeMetricFamily("specd_sessions_open", "Sessions this service holds a KV cache for",
-                                value=len(store.sessions) if store else 0)
-        yield GaugeMetricFamily("specd_cached_tokens", "Tokens in KV caches over all sessions",
-                                value=store.cached_tokens if store else 0)
+        yield GaugeMetricFamily(
+            "specd_sessions_open",
+            "Sessions this service holds a KV cache for",
+            value=len(store.sessions) if store else 0,
+        )
+        yield GaugeMetricFamily(
+            "specd_cached_tokens", "Tokens in KV caches over all sessions", value=store.cached_tokens if store else 0
+        )
         yield GaugeMetricFamily("specd_queue_depth", "Calls waiting for the model thread", value=scheduler.queue_depth)
         yield _batch_histogram(_snapshot(scheduler.batch_sizes))
 
@@ -101,5 +114,8 @@ def _batch_histogram(passes_by_size: dict) -> HistogramMetricFamily:
     buckets = [(str(bound), sum(n for size, n in passes_by_size.items() if size <= bound)) for bound in BATCH_BUCKETS]
     buckets.append(("+Inf", sum(passes_by_size.values())))
     return HistogramMetricFamily(
-        "specd_batch_size", "Requests per forward pass of the model thread",
-        buckets=buckets, sum_value=sum(size * n for size, n in passes_by_size.items()))
+        "specd_batch_size",
+        "Requests per forward pass of the model thread",
+        buckets=buckets,
+        sum_value=sum(size * n for size, n in passes_by_size.items()),
+    )

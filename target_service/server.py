@@ -1,11 +1,11 @@
-"""specd.v1.TargetService: each handler unpacks, runs the engine on the model thread, packs."""
+"""specd.v1.TargetService: each handler unpacks, runs the target service on the model thread, packs."""
 
-from typing import Callable
+from collections.abc import Callable
 
-from specd.serving.server import (
-    ModelServer, ModelThread, cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto,
-)
-from specd.target_service.engine import TargetEngine, Verification, VerifyCall
+from specd.serving.messages import cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto
+from specd.serving.server import ModelServer
+from specd.serving.thread import ModelThread
+from specd.target_service.verifier import Verification, Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
 
 SERVICE_NAME = "specd.v1.TargetService"
@@ -19,31 +19,35 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return await self.thread.info(context)
 
     async def Tokenizer(self, request, context):
-        files = await self.thread.call(context, TargetEngine.tokenizer_files)
+        files = await self.thread.call(context, Verifier.tokenizer_files)
         return common_pb2.TokenizerResponse(files=files)
 
     async def Prefill(self, request, context):
-        cached = await self.thread.call(context, TargetEngine.prefill, cursor_from_proto(request.cursor))
+        cached = await self.thread.call(context, Verifier.prefill, cursor_from_proto(request.cursor))
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Verify(self, request, context):
         call = await parsed(context, _verify_call, request)
-        return _verify_response(await self.thread.batch(context, TargetEngine.verify_batch, call))
+        return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))
 
     async def Decode(self, request, context):
-        call = VerifyCall(cursor_from_proto(request.cursor), [], [], sampling_from_proto(request.sampling), request.return_logprobs)
-        return _verify_response(await self.thread.batch(context, TargetEngine.verify_batch, call))
+        cursor, sampling = cursor_from_proto(request.cursor), sampling_from_proto(request.sampling)
+        call = VerifyCall(cursor, [], [], sampling, request.return_logprobs)
+        return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))
 
     async def Release(self, request, context):
-        released = await self.thread.call(context, TargetEngine.release, request.session_id)
+        released = await self.thread.call(context, Verifier.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
 
 
 def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:
     q_rows = [q_row_from_proto(row) for row in request.q]  # may refuse: INVALID_ARGUMENT
     return VerifyCall(
-        cursor_from_proto(request.cursor), list(request.draft_tokens), q_rows,
-        sampling_from_proto(request.sampling), request.return_logprobs,
+        cursor_from_proto(request.cursor),
+        list(request.draft_tokens),
+        q_rows,
+        sampling_from_proto(request.sampling),
+        request.return_logprobs,
     )
 
 
@@ -56,6 +60,6 @@ def _verify_response(verification: Verification) -> target_pb2.VerifyResponse:
     )
 
 
-def create_target_server(load_engine: Callable[[], TargetEngine]) -> ModelServer:
-    """A TargetService host: start(address) binds it, load() runs load_engine and reports SERVING."""
-    return ModelServer(SERVICE_NAME, target_pb2_grpc.add_TargetServiceServicer_to_server, TargetServicer, load_engine)
+def create_target_server(load_service: Callable[[], Verifier]) -> ModelServer:
+    """A TargetService host: start(address) binds it, load() runs load_service and reports SERVING."""
+    return ModelServer(SERVICE_NAME, target_pb2_grpc.add_TargetServiceServicer_to_server, TargetServicer, load_service)

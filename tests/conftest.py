@@ -7,20 +7,27 @@ import pytest
 import torch
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-from specd.draft_service.engine import DraftEngine
+from specd.draft_service.drafter import Drafter
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import load_model
-from specd.proto.limits import Limits
 from specd.model.store import resolve_model
-from specd.target_service.engine import TargetEngine
+from specd.model.transformers_engine import TransformersEngine
+from specd.proto.limits import Limits
 from specd.target_service.server import create_target_server
+from specd.target_service.verifier import Verifier
 from specd.v1 import draft_pb2_grpc, target_pb2_grpc
 
 # Tiny models use the real Qwen2.5 tokenizer (scripts/test.sh fetches the pair first), so
 # their vocabulary, ids and text behave exactly like the real pair's.
 TINY_CONFIG = dict(
-    vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+    vocab_size=151_936,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=4096,
+    tie_word_embeddings=True,
 )
 
 
@@ -66,8 +73,8 @@ class Services:
 
 
 async def start_services(draft_loaded, target_loaded, limits: Limits = Limits()) -> Services:
-    draft_server = create_draft_server(lambda: DraftEngine(draft_loaded, limits))
-    target_server = create_target_server(lambda: TargetEngine(target_loaded, limits))
+    draft_server = create_draft_server(lambda: Drafter(TransformersEngine(draft_loaded), limits))
+    target_server = create_target_server(lambda: Verifier(TransformersEngine(target_loaded), limits))
     for server in (draft_server, target_server):
         await server.start("127.0.0.1:0")
         await server.load()
@@ -96,8 +103,9 @@ def ray_local():
     """One local Ray for the whole run (starting Ray takes seconds)."""
     import ray
 
-    ray.init(include_dashboard=False, object_store_memory=256 * 1024 * 1024, logging_level="WARNING",
-             configure_logging=False)
+    ray.init(
+        include_dashboard=False, object_store_memory=256 * 1024 * 1024, logging_level="WARNING", configure_logging=False
+    )
     yield ray
     ray.shutdown()
 
@@ -125,8 +133,9 @@ async def start_stack(draft_loaded, target_loaded, limits: Limits = Limits()) ->
     from specd.orchestrator.server import OrchestratorServer
 
     services = await start_services(draft_loaded, target_loaded, limits)
-    orchestrator = OrchestratorServer(f"127.0.0.1:{services.draft_server.port}",
-                                      f"127.0.0.1:{services.target_server.port}", workers=2)
+    orchestrator = OrchestratorServer(
+        f"127.0.0.1:{services.draft_server.port}", f"127.0.0.1:{services.target_server.port}", workers=2
+    )
     await orchestrator.start("127.0.0.1:0")
     return Stack(services, orchestrator)
 

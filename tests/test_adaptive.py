@@ -10,7 +10,12 @@ K = 4 at 1.58× (docs/architecture.md §7's "about 1.6× at K = 4"); α = 0.5, c
 import pytest
 
 from specd.orchestrator.adaptive import (
-    PROBE_MIN_STEPS, AdaptiveK, Ewma, ServiceCosts, best_draft_length, expected_tokens,
+    PROBE_MIN_STEPS,
+    AdaptiveK,
+    Ewma,
+    ServiceCosts,
+    best_draft_length,
+    expected_tokens,
 )
 
 
@@ -23,21 +28,24 @@ def measured_costs(t_draft: float, verify: dict[int, float], rtt: float = 0.0, a
     return costs
 
 
-@pytest.mark.parametrize("alpha, c, rtt, k", [
-    (0.9, 0.1, 0.0, 8),   # cheap draft, high acceptance: the longest K allowed
-    (0.95, 0.05, 0.0, 8),
-    (1.0, 0.1, 0.0, 8),
-    (0.9, 0.4, 0.0, 4),   # this pair in bf16 (docs/architecture.md §7)
-    (0.8, 0.15, 0.0, 5),
-    (0.6, 0.1, 0.0, 3),
-    (0.5, 0.4, 0.0, 1),
-    (0.3, 0.5, 0.0, 0),   # speculation does not pay: off
-    (0.0, 0.1, 0.0, 0),
-    (0.7, 0.2, 1.0, 5),   # a round trip as long as a target step: longer drafts amortise it
-    (0.8, 0.15, 0.5, 7),
-    (0.8, 0.15, 2.0, 8),
-    (0.9, 0.4, 1.0, 8),
-])
+@pytest.mark.parametrize(
+    "alpha, c, rtt, k",
+    [
+        (0.9, 0.1, 0.0, 8),  # cheap draft, high acceptance: the longest K allowed
+        (0.95, 0.05, 0.0, 8),
+        (1.0, 0.1, 0.0, 8),
+        (0.9, 0.4, 0.0, 4),  # this pair in bf16 (docs/architecture.md §7)
+        (0.8, 0.15, 0.0, 5),
+        (0.6, 0.1, 0.0, 3),
+        (0.5, 0.4, 0.0, 1),
+        (0.3, 0.5, 0.0, 0),  # speculation does not pay: off
+        (0.0, 0.1, 0.0, 0),
+        (0.7, 0.2, 1.0, 5),  # a round trip as long as a target step: longer drafts amortise it
+        (0.8, 0.15, 0.5, 7),
+        (0.8, 0.15, 2.0, 8),
+        (0.9, 0.4, 1.0, 8),
+    ],
+)
 def test_chooser_picks_the_analytic_optimum(alpha, c, rtt, k):
     assert best_draft_length(alpha, c, lambda _: 1.0, rtt, rtt, max_k=8) == k
     chooser = AdaptiveK(measured_costs(c, {0: 1.0, 8: 1.0}, rtt, alpha), max_k=8)

@@ -13,15 +13,16 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.deploy.local import free_port
-from specd.draft_service.engine import DraftEngine
+from specd.draft_service.drafter import Drafter
 from specd.draft_service.server import create_draft_server
-from specd.proto.limits import Limits
+from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
-from specd.target_service.engine import TargetEngine
+from specd.proto.auth import ClientSecurity, ServerSecurity
+from specd.proto.limits import Limits
 from specd.target_service.server import create_target_server
+from specd.target_service.verifier import Verifier
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc
 
 TOKEN = "s3cret-token"
@@ -32,26 +33,57 @@ def certificate(tmp_path_factory) -> dict:
     """A self-signed certificate for localhost and 127.0.0.1 (it is its own CA)."""
     folder = tmp_path_factory.mktemp("tls")
     cert, key = folder / "cert.pem", folder / "key.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=localhost",
-                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
-    return {"cert": cert, "key": key, "server": ServerSecurity(TOKEN, cert.read_bytes(), key.read_bytes()),
-            "client": ClientSecurity(TOKEN, cert.read_bytes())}
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    return {
+        "cert": cert,
+        "key": key,
+        "server": ServerSecurity(TOKEN, cert.read_bytes(), key.read_bytes()),
+        "client": ClientSecurity(TOKEN, cert.read_bytes()),
+    }
 
 
 @pytest.fixture(scope="module")
 async def secured(tiny_loaded, ray_local, certificate):
     """Draft, target and orchestrator, all with the token and TLS; the orchestrator uses the same to the services."""
-    draft = create_draft_server(lambda: DraftEngine(tiny_loaded["draft"], Limits()))
-    target = create_target_server(lambda: TargetEngine(tiny_loaded["target"], Limits()))
+    draft = create_draft_server(lambda: Drafter(TransformersEngine(tiny_loaded["draft"]), Limits()))
+    target = create_target_server(lambda: Verifier(TransformersEngine(tiny_loaded["target"]), Limits()))
     for server in (draft, target):
         await server.start("127.0.0.1:0", certificate["server"])
         await server.load()
-    orchestrator = OrchestratorServer(f"127.0.0.1:{draft.port}", f"127.0.0.1:{target.port}", workers=1,
-                                      security=certificate["server"], service_security=certificate["client"])
+    orchestrator = OrchestratorServer(
+        f"127.0.0.1:{draft.port}",
+        f"127.0.0.1:{target.port}",
+        workers=1,
+        security=certificate["server"],
+        service_security=certificate["client"],
+    )
     await orchestrator.start("127.0.0.1:0")
-    yield {"draft": f"127.0.0.1:{draft.port}", "target": f"127.0.0.1:{target.port}",
-           "orchestrator": f"127.0.0.1:{orchestrator.port}"}
+    yield {
+        "draft": f"127.0.0.1:{draft.port}",
+        "target": f"127.0.0.1:{target.port}",
+        "orchestrator": f"127.0.0.1:{orchestrator.port}",
+    }
     await orchestrator.stop(0)
     await draft.stop(0)
     await target.stop(0)
@@ -86,11 +118,16 @@ async def test_the_right_token_over_tls_is_served_end_to_end(secured, certificat
 @pytest.mark.parametrize("server", ["orchestrator", "draft", "target"])
 async def test_missing_or_wrong_token_is_unauthenticated(secured, certificate, server):
     ca = certificate["cert"].read_bytes()
-    for security, says in [(ClientSecurity(None, ca), "no `authorization: Bearer <token>` metadata"),
-                           (ClientSecurity("wrong", ca), "the bearer token is wrong")]:
+    for security, says in [
+        (ClientSecurity(None, ca), "no `authorization: Bearer <token>` metadata"),
+        (ClientSecurity("wrong", ca), "the bearer token is wrong"),
+    ]:
         async with security.channel(secured[server]) as channel:
-            method = {"orchestrator": "/specd.v1.SpecDecode/Info", "draft": "/specd.v1.DraftService/Info",
-                      "target": "/specd.v1.TargetService/Info"}[server]
+            method = {
+                "orchestrator": "/specd.v1.SpecDecode/Info",
+                "draft": "/specd.v1.DraftService/Info",
+                "target": "/specd.v1.TargetService/Info",
+            }[server]
             code, details = await status_of(channel.unary_unary(method)(b"", timeout=10))
         assert code == grpc.StatusCode.UNAUTHENTICATED
         assert says in details and "--token" in details
@@ -110,14 +147,31 @@ async def test_health_stays_open_without_a_token_but_not_without_tls(secured, ce
 
 async def test_specd_generate_sends_the_token_and_trusts_the_ca(secured, certificate):
     """The CLI client with SPECD_TOKEN, and --token over it; a wrong token is a clear error."""
-    base = [sys.executable, "-m", "specd.cli", "generate", "def f(x):", "--server", secured["orchestrator"], "--json",
-            "--no-baseline", "--max-new-tokens", "4", "--tls-ca", str(certificate["cert"])]
+    base = [
+        sys.executable,
+        "-m",
+        "specd.cli",
+        "generate",
+        "def f(x):",
+        "--server",
+        secured["orchestrator"],
+        "--json",
+        "--no-baseline",
+        "--max-new-tokens",
+        "4",
+        "--tls-ca",
+        str(certificate["cert"]),
+    ]
 
     async def run(*extra, env_token=None):
-        env = {**os.environ, "SPECD_TOKEN": env_token} if env_token else {k: v for k, v in os.environ.items()
-                                                                            if k != "SPECD_TOKEN"}
-        process = await asyncio.create_subprocess_exec(*base, *extra, env=env, stdout=asyncio.subprocess.PIPE,
-                                                       stderr=asyncio.subprocess.PIPE)
+        env = (
+            {**os.environ, "SPECD_TOKEN": env_token}
+            if env_token
+            else {k: v for k, v in os.environ.items() if k != "SPECD_TOKEN"}
+        )
+        process = await asyncio.create_subprocess_exec(
+            *base, *extra, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        )
         out, err = await asyncio.wait_for(process.communicate(), 300)
         return process.returncode, out.decode(), err.decode()
 
@@ -133,10 +187,31 @@ async def test_specd_serve_takes_token_and_tls_flags(tiny_dirs, certificate, tmp
     port = free_port()
     log = open(tmp_path / "draft.log", "w")
     process = subprocess.Popen(
-        [sys.executable, "-m", "specd.cli", "serve", "draft", "--model", str(tiny_dirs["draft"]), "--dtype", "float32",
-         "--threads", "1", "--port", str(port), "--no-metrics", "--tls-cert", str(certificate["cert"]),
-         "--tls-key", str(certificate["key"])],
-        env={**os.environ, "SPECD_TOKEN": TOKEN}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "specd.cli",
+            "serve",
+            "draft",
+            "--model",
+            str(tiny_dirs["draft"]),
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--port",
+            str(port),
+            "--no-metrics",
+            "--tls-cert",
+            str(certificate["cert"]),
+            "--tls-key",
+            str(certificate["key"]),
+        ],
+        env={**os.environ, "SPECD_TOKEN": TOKEN},
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         address = f"127.0.0.1:{port}"
         await wait_until_serving(address, 120, ClientSecurity(None, certificate["cert"].read_bytes()))

@@ -2,7 +2,6 @@
 a server that stays healthy, and nothing left behind (docs/architecture.md §5)."""
 
 from dataclasses import dataclass
-from typing import Callable
 
 import grpc
 import pytest
@@ -17,9 +16,12 @@ VOCAB = 151_936
 Code = grpc.StatusCode
 
 
-def cursor(committed=PROMPT, start: int = len(PROMPT) - 1, session: str = SESSION, **fields) -> common_pb2.SessionCursor:
-    message = common_pb2.SessionCursor(session_id=session, start=start, fingerprint=fingerprint(committed[:start]),
-                                       tokens=committed[start:])
+def cursor(
+    committed=PROMPT, start: int = len(PROMPT) - 1, session: str = SESSION, **fields
+) -> common_pb2.SessionCursor:
+    message = common_pb2.SessionCursor(
+        session_id=session, start=start, fingerprint=fingerprint(committed[:start]), tokens=committed[start:]
+    )
     for name, value in fields.items():
         setattr(message, name, value)
     return message
@@ -60,113 +62,358 @@ class Case:
 G = specdecode_pb2.GenerateRequest
 CASES = [
     # -- specd.v1.SpecDecode/Generate: the client's request -------------------------------------
-    Case("empty prompt", "orchestrator", "Generate", G(prompt="", max_new_tokens=4), Code.INVALID_ARGUMENT, "prompt is empty"),
-    Case("prompt longer than a session", "orchestrator", "Generate", G(prompt_token_ids=[13] * 5000, max_new_tokens=4),
-         Code.INVALID_ARGUMENT, "shorten the prompt"),
-    Case("max_new_tokens 0", "orchestrator", "Generate", G(prompt="hi", max_new_tokens=0), Code.INVALID_ARGUMENT,
-         "max_new_tokens must be at least 1"),
-    Case("huge max_new_tokens", "orchestrator", "Generate", G(prompt="hi", max_new_tokens=2**32 - 1),
-         Code.INVALID_ARGUMENT, "ask for fewer tokens"),
-    Case("K above the services' limit", "orchestrator", "Generate", G(prompt="hi", max_new_tokens=4, draft_tokens=99),
-         Code.INVALID_ARGUMENT, "K=99"),
-    Case("negative temperature", "orchestrator", "Generate",
-         G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=-1)), Code.INVALID_ARGUMENT, "temperature"),
-    Case("NaN temperature", "orchestrator", "Generate",
-         G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=float("nan"))), Code.INVALID_ARGUMENT, "temperature"),
-    Case("top_p above 1", "orchestrator", "Generate",
-         G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=1, top_p=1.5)), Code.INVALID_ARGUMENT, "top_p"),
-    Case("out-of-vocabulary prompt id", "orchestrator", "Generate", G(prompt_token_ids=[1, VOCAB], max_new_tokens=4),
-         Code.INVALID_ARGUMENT, "outside the vocabulary"),
-    Case("stop string not UTF-8", "orchestrator", "Generate",
-         G(prompt="hi", max_new_tokens=4).SerializeToString() + length_delimited(5, NOT_UTF8),
-         Code.INVALID_ARGUMENT, "UTF-8"),
-    Case("garbage bytes", "orchestrator", "Generate", b"\x0a\xff\xff\xff", Code.INVALID_ARGUMENT,
-         "not a valid message for /specd.v1.SpecDecode/Generate"),
-    Case("message over 4 MiB", "orchestrator", "Generate", G(prompt="x" * (5 << 20), max_new_tokens=4),
-         Code.RESOURCE_EXHAUSTED, "larger than max"),
+    Case(
+        "empty prompt",
+        "orchestrator",
+        "Generate",
+        G(prompt="", max_new_tokens=4),
+        Code.INVALID_ARGUMENT,
+        "prompt is empty",
+    ),
+    Case(
+        "prompt longer than a session",
+        "orchestrator",
+        "Generate",
+        G(prompt_token_ids=[13] * 5000, max_new_tokens=4),
+        Code.INVALID_ARGUMENT,
+        "shorten the prompt",
+    ),
+    Case(
+        "max_new_tokens 0",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=0),
+        Code.INVALID_ARGUMENT,
+        "max_new_tokens must be at least 1",
+    ),
+    Case(
+        "huge max_new_tokens",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=2**32 - 1),
+        Code.INVALID_ARGUMENT,
+        "ask for fewer tokens",
+    ),
+    Case(
+        "K above the services' limit",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=4, draft_tokens=99),
+        Code.INVALID_ARGUMENT,
+        "K=99",
+    ),
+    Case(
+        "negative temperature",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=-1)),
+        Code.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    Case(
+        "NaN temperature",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=float("nan"))),
+        Code.INVALID_ARGUMENT,
+        "temperature",
+    ),
+    Case(
+        "top_p above 1",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=4, sampling=sampling(temperature=1, top_p=1.5)),
+        Code.INVALID_ARGUMENT,
+        "top_p",
+    ),
+    Case(
+        "out-of-vocabulary prompt id",
+        "orchestrator",
+        "Generate",
+        G(prompt_token_ids=[1, VOCAB], max_new_tokens=4),
+        Code.INVALID_ARGUMENT,
+        "outside the vocabulary",
+    ),
+    Case(
+        "stop string not UTF-8",
+        "orchestrator",
+        "Generate",
+        G(prompt="hi", max_new_tokens=4).SerializeToString() + length_delimited(5, NOT_UTF8),
+        Code.INVALID_ARGUMENT,
+        "UTF-8",
+    ),
+    Case(
+        "garbage bytes",
+        "orchestrator",
+        "Generate",
+        b"\x0a\xff\xff\xff",
+        Code.INVALID_ARGUMENT,
+        "not a valid message for /specd.v1.SpecDecode/Generate",
+    ),
+    Case(
+        "message over 4 MiB",
+        "orchestrator",
+        "Generate",
+        G(prompt="x" * (5 << 20), max_new_tokens=4),
+        Code.RESOURCE_EXHAUSTED,
+        "larger than max",
+    ),
     Case("truncated Info request", "orchestrator", "Info", b"\x08", Code.INVALID_ARGUMENT, "not a valid message"),
     # -- specd.v1.DraftService ---------------------------------------------------------------------
-    Case("Propose K=0", "draft", "Propose", draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=0),
-         Code.INVALID_ARGUMENT, "K=0 is outside 1..16"),
-    Case("Propose K above max_draft_tokens", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=17), Code.INVALID_ARGUMENT, "K=17 is outside 1..16"),
-    Case("Propose unknown session", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(session="nobody"), num_draft_tokens=2), Code.NOT_FOUND, "Prefill it"),
-    Case("Propose wrong fingerprint", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(fingerprint=12345), num_draft_tokens=2), Code.FAILED_PRECONDITION,
-         "fingerprint of the first 7 tokens differs; the session holds 7 tokens"),
-    Case("Propose with nothing after start", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(start=len(PROMPT)), num_draft_tokens=2), Code.INVALID_ARGUMENT,
-         "at least the last committed token"),
-    Case("Propose start beyond what is held", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(PROMPT * 2, start=12), num_draft_tokens=2), Code.FAILED_PRECONDITION,
-         "start 12 is past the cached tokens"),
-    Case("Propose NaN temperature", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=2, sampling=sampling(temperature=float("nan"))),
-         Code.INVALID_ARGUMENT, "temperature must be a finite number"),
-    Case("Propose top_p above 1", "draft", "Propose",
-         draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=2, sampling=sampling(temperature=1, top_p=2)),
-         Code.INVALID_ARGUMENT, "top_p must be in (0, 1]"),
-    Case("Prefill out-of-vocabulary id", "draft", "Prefill",
-         common_pb2.PrefillRequest(cursor=cursor([1, 2, VOCAB + 7], start=0, session="oov")), Code.INVALID_ARGUMENT,
-         f"id {VOCAB + 7}, outside the vocabulary"),
-    Case("Prefill empty session id", "draft", "Prefill",
-         common_pb2.PrefillRequest(cursor=cursor(start=0, session="")), Code.INVALID_ARGUMENT, "session_id must be 1..128"),
-    Case("Prefill 129-character session id", "draft", "Prefill",
-         common_pb2.PrefillRequest(cursor=cursor(start=0, session="s" * 129)), Code.INVALID_ARGUMENT, "1..128 characters"),
-    Case("Prefill a new session from start > 0", "draft", "Prefill",
-         common_pb2.PrefillRequest(cursor=cursor(start=3, session="fresh")), Code.FAILED_PRECONDITION, "is new"),
-    Case("Prefill longer than a session", "draft", "Prefill",
-         common_pb2.PrefillRequest(cursor=cursor([13] * 5000, start=0, session="long")), Code.INVALID_ARGUMENT,
-         "the limit is 4096"),
-    Case("session id not UTF-8", "draft", "Prefill", length_delimited(1, length_delimited(1, NOT_UTF8)),
-         Code.INVALID_ARGUMENT, "UTF-8"),
-    Case("Release unknown session is fine", "draft", "Release", common_pb2.ReleaseRequest(session_id="nobody"),
-         Code.OK, ""),
+    Case(
+        "Propose K=0",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=0),
+        Code.INVALID_ARGUMENT,
+        "K=0 is outside 1..16",
+    ),
+    Case(
+        "Propose K above max_draft_tokens",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=17),
+        Code.INVALID_ARGUMENT,
+        "K=17 is outside 1..16",
+    ),
+    Case(
+        "Propose unknown session",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(session="nobody"), num_draft_tokens=2),
+        Code.NOT_FOUND,
+        "Prefill it",
+    ),
+    Case(
+        "Propose wrong fingerprint",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(fingerprint=12345), num_draft_tokens=2),
+        Code.FAILED_PRECONDITION,
+        "fingerprint of the first 7 tokens differs; the session holds 7 tokens",
+    ),
+    Case(
+        "Propose with nothing after start",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(start=len(PROMPT)), num_draft_tokens=2),
+        Code.INVALID_ARGUMENT,
+        "at least the last committed token",
+    ),
+    Case(
+        "Propose start beyond what is held",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(PROMPT * 2, start=12), num_draft_tokens=2),
+        Code.FAILED_PRECONDITION,
+        "start 12 is past the cached tokens",
+    ),
+    Case(
+        "Propose NaN temperature",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=2, sampling=sampling(temperature=float("nan"))),
+        Code.INVALID_ARGUMENT,
+        "temperature must be a finite number",
+    ),
+    Case(
+        "Propose top_p above 1",
+        "draft",
+        "Propose",
+        draft_pb2.ProposeRequest(cursor=cursor(), num_draft_tokens=2, sampling=sampling(temperature=1, top_p=2)),
+        Code.INVALID_ARGUMENT,
+        "top_p must be in (0, 1]",
+    ),
+    Case(
+        "Prefill out-of-vocabulary id",
+        "draft",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor([1, 2, VOCAB + 7], start=0, session="oov")),
+        Code.INVALID_ARGUMENT,
+        f"id {VOCAB + 7}, outside the vocabulary",
+    ),
+    Case(
+        "Prefill empty session id",
+        "draft",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor(start=0, session="")),
+        Code.INVALID_ARGUMENT,
+        "session_id must be 1..128",
+    ),
+    Case(
+        "Prefill 129-character session id",
+        "draft",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor(start=0, session="s" * 129)),
+        Code.INVALID_ARGUMENT,
+        "1..128 characters",
+    ),
+    Case(
+        "Prefill a new session from start > 0",
+        "draft",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor(start=3, session="fresh")),
+        Code.FAILED_PRECONDITION,
+        "is new",
+    ),
+    Case(
+        "Prefill longer than a session",
+        "draft",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor([13] * 5000, start=0, session="long")),
+        Code.INVALID_ARGUMENT,
+        "the limit is 4096",
+    ),
+    Case(
+        "session id not UTF-8",
+        "draft",
+        "Prefill",
+        length_delimited(1, length_delimited(1, NOT_UTF8)),
+        Code.INVALID_ARGUMENT,
+        "UTF-8",
+    ),
+    Case(
+        "Release unknown session is fine",
+        "draft",
+        "Release",
+        common_pb2.ReleaseRequest(session_id="nobody"),
+        Code.OK,
+        "",
+    ),
     # -- specd.v1.TargetService --------------------------------------------------------------------
-    Case("Verify out-of-vocabulary draft token", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5, 10**6]), Code.INVALID_ARGUMENT, "outside the vocabulary"),
-    Case("Verify more drafts than max_draft_tokens", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5] * 17), Code.INVALID_ARGUMENT, "K=17"),
-    Case("Verify sampled without q rows", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5, 6], sampling=sampling(temperature=1)),
-         Code.INVALID_ARGUMENT, "one q row per draft token"),
-    Case("Verify q probs not float32", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5], q=[q_row([5], b"\x00\x00\x80")],
-                                  sampling=sampling(temperature=1)), Code.INVALID_ARGUMENT, "little-endian float32"),
-    Case("Verify q with NaN", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5], q=[q_row([5], f32(float("nan")))],
-                                  sampling=sampling(temperature=1)), Code.INVALID_ARGUMENT, "finite, non-negative"),
-    Case("Verify q id outside the vocabulary", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5], q=[q_row([5, VOCAB], f32(0.5, 0.5))],
-                                  sampling=sampling(temperature=1)), Code.INVALID_ARGUMENT, "in-vocabulary ids"),
-    Case("Verify draft token with q = 0", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5], q=[q_row([6], f32(1.0))],
-                                  sampling=sampling(temperature=1)), Code.INVALID_ARGUMENT, "q > 0"),
-    Case("Verify ids and probs of different lengths", "target", "Verify",
-         target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5], q=[q_row([5, 6], f32(1.0))],
-                                  sampling=sampling(temperature=1)), Code.INVALID_ARGUMENT, "as many probabilities"),
-    Case("Decode unknown session", "target", "Decode", target_pb2.DecodeRequest(cursor=cursor(session="nobody")),
-         Code.NOT_FOUND, "no session 'nobody'"),
-    Case("Decode wrong fingerprint", "target", "Decode", target_pb2.DecodeRequest(cursor=cursor(fingerprint=1)),
-         Code.FAILED_PRECONDITION, "resend from there or from 0"),
-    Case("Decode negative temperature", "target", "Decode",
-         target_pb2.DecodeRequest(cursor=cursor(), sampling=sampling(temperature=-0.5)), Code.INVALID_ARGUMENT,
-         "temperature must be a finite number >= 0"),
-    Case("Decode empty cursor", "target", "Decode", target_pb2.DecodeRequest(cursor=cursor(start=len(PROMPT))),
-         Code.INVALID_ARGUMENT, "at least the last committed token"),
-    Case("Prefill start 2^32-1", "target", "Prefill", common_pb2.PrefillRequest(cursor=cursor(start=2**32 - 1)),
-         Code.FAILED_PRECONDITION, "past the cached tokens"),
-    Case("truncated Verify bytes", "target", "Verify", b"\x0a\x05\x0a", Code.INVALID_ARGUMENT,
-         "not a valid message for /specd.v1.TargetService/Verify"),
+    Case(
+        "Verify out-of-vocabulary draft token",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5, 10**6]),
+        Code.INVALID_ARGUMENT,
+        "outside the vocabulary",
+    ),
+    Case(
+        "Verify more drafts than max_draft_tokens",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5] * 17),
+        Code.INVALID_ARGUMENT,
+        "K=17",
+    ),
+    Case(
+        "Verify sampled without q rows",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5, 6], sampling=sampling(temperature=1)),
+        Code.INVALID_ARGUMENT,
+        "one q row per draft token",
+    ),
+    Case(
+        "Verify q probs not float32",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(
+            cursor=cursor(), draft_tokens=[5], q=[q_row([5], b"\x00\x00\x80")], sampling=sampling(temperature=1)
+        ),
+        Code.INVALID_ARGUMENT,
+        "little-endian float32",
+    ),
+    Case(
+        "Verify q with NaN",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(
+            cursor=cursor(), draft_tokens=[5], q=[q_row([5], f32(float("nan")))], sampling=sampling(temperature=1)
+        ),
+        Code.INVALID_ARGUMENT,
+        "finite, non-negative",
+    ),
+    Case(
+        "Verify q id outside the vocabulary",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(
+            cursor=cursor(), draft_tokens=[5], q=[q_row([5, VOCAB], f32(0.5, 0.5))], sampling=sampling(temperature=1)
+        ),
+        Code.INVALID_ARGUMENT,
+        "in-vocabulary ids",
+    ),
+    Case(
+        "Verify draft token with q = 0",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(
+            cursor=cursor(), draft_tokens=[5], q=[q_row([6], f32(1.0))], sampling=sampling(temperature=1)
+        ),
+        Code.INVALID_ARGUMENT,
+        "q > 0",
+    ),
+    Case(
+        "Verify ids and probs of different lengths",
+        "target",
+        "Verify",
+        target_pb2.VerifyRequest(
+            cursor=cursor(), draft_tokens=[5], q=[q_row([5, 6], f32(1.0))], sampling=sampling(temperature=1)
+        ),
+        Code.INVALID_ARGUMENT,
+        "as many probabilities",
+    ),
+    Case(
+        "Decode unknown session",
+        "target",
+        "Decode",
+        target_pb2.DecodeRequest(cursor=cursor(session="nobody")),
+        Code.NOT_FOUND,
+        "no session 'nobody'",
+    ),
+    Case(
+        "Decode wrong fingerprint",
+        "target",
+        "Decode",
+        target_pb2.DecodeRequest(cursor=cursor(fingerprint=1)),
+        Code.FAILED_PRECONDITION,
+        "resend from there or from 0",
+    ),
+    Case(
+        "Decode negative temperature",
+        "target",
+        "Decode",
+        target_pb2.DecodeRequest(cursor=cursor(), sampling=sampling(temperature=-0.5)),
+        Code.INVALID_ARGUMENT,
+        "temperature must be a finite number >= 0",
+    ),
+    Case(
+        "Decode empty cursor",
+        "target",
+        "Decode",
+        target_pb2.DecodeRequest(cursor=cursor(start=len(PROMPT))),
+        Code.INVALID_ARGUMENT,
+        "at least the last committed token",
+    ),
+    Case(
+        "Prefill start 2^32-1",
+        "target",
+        "Prefill",
+        common_pb2.PrefillRequest(cursor=cursor(start=2**32 - 1)),
+        Code.FAILED_PRECONDITION,
+        "past the cached tokens",
+    ),
+    Case(
+        "truncated Verify bytes",
+        "target",
+        "Verify",
+        b"\x0a\x05\x0a",
+        Code.INVALID_ARGUMENT,
+        "not a valid message for /specd.v1.TargetService/Verify",
+    ),
 ]
 
 SERVICE = {"orchestrator": "specd.v1.SpecDecode", "draft": "specd.v1.DraftService", "target": "specd.v1.TargetService"}
 
 
 def channels(stack) -> dict[str, grpc.aio.Channel]:
-    return {"orchestrator": stack.channel, "draft": stack.services.draft_channel,
-            "target": stack.services.target_channel}
+    return {
+        "orchestrator": stack.channel,
+        "draft": stack.services.draft_channel,
+        "target": stack.services.target_channel,
+    }
 
 
 async def call(stack, case: Case):
@@ -193,8 +440,15 @@ async def prefilled(tiny_stack):
 def test_the_table_has_enough_cases_and_covers_every_public_rpc():
     assert len(CASES) >= 20
     covered = {(case.server, case.method) for case in CASES}
-    assert {("orchestrator", "Generate"), ("draft", "Prefill"), ("draft", "Propose"), ("draft", "Release"),
-            ("target", "Prefill"), ("target", "Verify"), ("target", "Decode")} <= covered
+    assert {
+        ("orchestrator", "Generate"),
+        ("draft", "Prefill"),
+        ("draft", "Propose"),
+        ("draft", "Release"),
+        ("target", "Prefill"),
+        ("target", "Verify"),
+        ("target", "Decode"),
+    } <= covered
 
 
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
@@ -215,6 +469,8 @@ async def test_after_all_that_every_server_is_healthy_and_serves(tiny_stack):
     for channel in channels(tiny_stack).values():
         reply = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
-    replies = [reply async for reply in tiny_stack.client.Generate(G(prompt="def f(x):", max_new_tokens=6, ignore_eos=True))]
+    replies = [
+        reply async for reply in tiny_stack.client.Generate(G(prompt="def f(x):", max_new_tokens=6, ignore_eos=True))
+    ]
     assert replies[-1].final.usage.completion_tokens == 6
     assert await tiny_stack.live_sessions() == (0, 0)

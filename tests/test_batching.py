@@ -6,16 +6,17 @@ import time
 
 import pytest
 import torch
-
 from conftest import start_services
-from specd.proto.contract import fingerprint
-from specd.draft_service.engine import DraftEngine, ProposeCall
+
+from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.errors import SessionNotFound
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Bounds, Job, Scheduler
-from specd.proto.limits import Limits
 from specd.model.sessions import Cursor
-from specd.target_service.engine import TargetEngine, VerifyCall
+from specd.model.transformers_engine import TransformersEngine
+from specd.proto.contract import fingerprint
+from specd.proto.limits import Limits
+from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2
 
 PROMPTS = [list(range(1000, 1003)), list(range(2000, 2011)), list(range(3000, 3006)), list(range(4000, 4020))]
@@ -29,7 +30,7 @@ class Conversation:
         self.session_id, self.committed, self.held = session_id, list(prompt), len(prompt) - 1
 
     def cursor(self) -> Cursor:
-        return Cursor(self.session_id, self.held, fingerprint(self.committed[: self.held]), self.committed[self.held:])
+        return Cursor(self.session_id, self.held, fingerprint(self.committed[: self.held]), self.committed[self.held :])
 
     def commit(self, emitted: list[int], cached_tokens: int) -> None:
         self.committed += emitted
@@ -37,13 +38,17 @@ class Conversation:
 
 
 def greedy_continuation(loaded, prompt: list[int], length: int) -> list[int]:
-    output = loaded.model.generate(torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False)
-    return output[0, len(prompt):].tolist()
+    output = loaded.model.generate(
+        torch.tensor([prompt]), max_new_tokens=length, min_new_tokens=length, do_sample=False
+    )
+    return output[0, len(prompt) :].tolist()
 
 
 def q_rows_for(drafts: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A q that gave each draft token 0.5 and spread the rest over three neighbours."""
-    return [(torch.tensor([token, token + 1, token + 2, token + 3]), torch.tensor([0.5, 0.2, 0.2, 0.1])) for token in drafts]
+    return [
+        (torch.tensor([token, token + 1, token + 2, token + 3]), torch.tensor([0.5, 0.2, 0.2, 0.1])) for token in drafts
+    ]
 
 
 def opened(engine, tag: str) -> list[Conversation]:
@@ -59,17 +64,17 @@ def verify_calls(conversations, step: int, references) -> list[VerifyCall]:
     for i, conversation in enumerate(conversations):
         k = [1, 3, 5, 4][i]
         done = len(conversation.committed) - len(PROMPTS[i])
-        drafts = references[i][done: done + k]
+        drafts = references[i][done : done + k]
         wrong_at = (i + step) % (k + 1)  # k + 1: no corruption, all accepted
         if wrong_at < k:
-            drafts = drafts[:wrong_at] + [(drafts[wrong_at] + 7) % 150_000] + drafts[wrong_at + 1:]
+            drafts = drafts[:wrong_at] + [(drafts[wrong_at] + 7) % 150_000] + drafts[wrong_at + 1 :]
         sampling = SAMPLED if i == 2 else Sampling()
         calls.append(VerifyCall(conversation.cursor(), drafts, q_rows_for(drafts) if i == 2 else [], sampling, True))
     return calls
 
 
 def test_verify_batch_equals_one_call_at_a_time(tiny_loaded):
-    engine = TargetEngine(tiny_loaded["target"], Limits())
+    engine = Verifier(TransformersEngine(tiny_loaded["target"]), Limits())
     references = [greedy_continuation(tiny_loaded["target"], prompt, 40) for prompt in PROMPTS]
     alone, together = opened(engine, "alone"), opened(engine, "together")
     accepted_counts = set()
@@ -88,7 +93,7 @@ def test_verify_batch_equals_one_call_at_a_time(tiny_loaded):
 
 
 def test_decode_steps_batch_too(tiny_loaded):
-    engine = TargetEngine(tiny_loaded["target"], Limits())
+    engine = Verifier(TransformersEngine(tiny_loaded["target"]), Limits())
     alone, together = opened(engine, "alone"), opened(engine, "together")
     for _ in range(5):
         solo = [engine.verify(VerifyCall(c.cursor(), [], [], Sampling())) for c in alone]
@@ -101,7 +106,7 @@ def test_decode_steps_batch_too(tiny_loaded):
 
 
 def test_a_refused_call_leaves_its_batch_alone(tiny_loaded):
-    engine = TargetEngine(tiny_loaded["target"], Limits())
+    engine = Verifier(TransformersEngine(tiny_loaded["target"]), Limits())
     alone, together = opened(engine, "alone"), opened(engine, "together")
     engine.release(together[1].session_id)  # released while its call waited
     stale = together[3].cursor()
@@ -119,7 +124,7 @@ def test_a_refused_call_leaves_its_batch_alone(tiny_loaded):
 
 @pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
 def test_propose_batch_equals_one_call_at_a_time(tiny_loaded, sampling):
-    engine = DraftEngine(tiny_loaded["draft"], Limits())
+    engine = Drafter(TransformersEngine(tiny_loaded["draft"]), Limits())
     alone, together = opened(engine, "alone"), opened(engine, "together")
     for step in range(4):
         ks = [(i + step) % 5 + 1 for i in range(len(PROMPTS))]
@@ -137,12 +142,14 @@ def test_propose_batch_equals_one_call_at_a_time(tiny_loaded, sampling):
 
 # -- the scheduler, on plain functions --------------------------------------------------------
 
+
 def run_recording(passes: list, gate: threading.Event | None = None):
     def run(payloads):
         if gate is not None:
             gate.wait()
         passes.append(list(payloads))
         return [payload * 10 for payload in payloads]
+
     return run
 
 
@@ -178,8 +185,11 @@ async def test_a_long_request_finishes_under_a_steady_stream_of_short_ones(tiny_
     """No starvation: 60 decode steps in one session while four others keep the queue full."""
     services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_batch_size=2))
     try:
+
         async def decode_loop(session_id: str, prompt: list[int], steps: int | None, stop: asyncio.Event):
-            await services.target.Prefill(common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1])))
+            await services.target.Prefill(
+                common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1]))
+            )
             committed, done = list(prompt), 0
             while (steps is None and not stop.is_set()) or (steps is not None and done < steps):
                 cursor = proto_cursor(session_id, len(committed) - 1, committed[:-1], committed[-1:])
@@ -209,12 +219,17 @@ async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
     """Without the short wait for returning sessions, two streams alternate and never share a pass."""
     services = await start_services(tiny_loaded["draft"], tiny_loaded["target"])
     try:
+
         async def decode(session_id: str, prompt: list[int], steps: int) -> list[int]:
-            await services.target.Prefill(common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1])))
+            await services.target.Prefill(
+                common_pb2.PrefillRequest(cursor=proto_cursor(session_id, 0, [], prompt[:-1]))
+            )
             committed = list(prompt)
             for _ in range(steps):
                 cursor = proto_cursor(session_id, len(committed) - 1, committed[:-1], committed[-1:])
-                committed += list((await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))).emitted_tokens)
+                committed += list(
+                    (await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))).emitted_tokens
+                )
             return committed
 
         together = await asyncio.gather(decode("one", PROMPTS[1], 30), decode("two", PROMPTS[3], 30))

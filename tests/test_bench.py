@@ -4,20 +4,34 @@ import argparse
 import asyncio
 import io
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from specd.bench import peers as bench
+from specd.bench import report as bench_report
+from specd.bench import systems
 from specd.cli import bench as bench_cli
 from specd.model.loading import load_model
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TOP_KEYS = {"results", "ratios", "alpha", "c", "mean_accepted_length", "analytic_speedup", "greedy_match",
-            "per_prompt", "settings"}
-REQUIRED_RATIOS = {"specd_spec/hf_assisted": ("specd_spec", "hf_assisted"),
-                   "specd_spec/hf_target": ("specd_spec", "hf_target"),
-                   "specd_spec/specd_target": ("specd_spec", "specd_target")}
+TOP_KEYS = {
+    "results",
+    "ratios",
+    "alpha",
+    "c",
+    "mean_accepted_length",
+    "analytic_speedup",
+    "greedy_match",
+    "per_prompt",
+    "settings",
+}
+REQUIRED_RATIOS = {
+    "specd_spec/hf_assisted": ("specd_spec", "hf_assisted"),
+    "specd_spec/hf_target": ("specd_spec", "hf_target"),
+    "specd_spec/specd_target": ("specd_spec", "specd_target"),
+}
 
 
 def cli(argv: list[str]) -> int:
@@ -34,46 +48,70 @@ def address(tiny_stack) -> str:
 # ---------------------------------------------------------------- maths
 
 
+def test_the_report_and_the_runner_import_without_torch_or_grpc():
+    """The figures are bookkeeping: a machine without torch can rebuild and plot a report."""
+    heavy = ("torch", "transformers", "grpc", "specd.model")
+    script = (
+        "import json, sys; import specd.bench.report, specd.bench.systems; "
+        f"print(json.dumps(sorted(m for m in {heavy!r} if m in sys.modules)))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == []
+
+
 def test_expected_speedup_and_analytic_best_on_hand_numbers():
     # α = 0.8, c = 0.1: K = 4 gives (1 - 0.8^5) / (0.2 · 1.4) = 0.67232 / 0.28
-    assert bench.expected_speedup(0.8, 0.1, 4) == pytest.approx(0.67232 / 0.28)
+    assert bench_report.expected_speedup(0.8, 0.1, 4) == pytest.approx(0.67232 / 0.28)
     # best over K = 1..8: K = 6, (1 - 0.8^7) / (0.2 · 1.6) = 0.7902848 / 0.32 ≈ 2.4696
-    best, k = bench.analytic_best(0.8, 0.1)
+    best, k = bench_report.analytic_best(0.8, 0.1)
     assert k == 6 and best == pytest.approx(0.7902848 / 0.32)
     # docs/architecture.md §7's pair: α ≈ 0.9, c ≈ 0.4 gives about 1.6× at K = 4
-    best, k = bench.analytic_best(0.9, 0.4)
+    best, k = bench_report.analytic_best(0.9, 0.4)
     assert (k, round(best, 2)) == (4, 1.58)
     # α = 1: every guess lands, K + 1 tokens per step; α = 0: one token per step, so K = 1 is best
-    assert bench.expected_speedup(1.0, 0.5, 3) == pytest.approx(4 / 2.5)
-    assert bench.analytic_best(0.0, 0.2) == (pytest.approx(1 / 1.2), 1)
-    assert bench.analytic_best(None, 0.2) == (None, None)
-    assert bench.analytic_best(0.5, None) == (None, None)
+    assert bench_report.expected_speedup(1.0, 0.5, 3) == pytest.approx(4 / 2.5)
+    assert bench_report.analytic_best(0.0, 0.2) == (pytest.approx(1 / 1.2), 1)
+    assert bench_report.analytic_best(None, 0.2) == (None, None)
+    assert bench_report.analytic_best(0.5, None) == (None, None)
 
 
 def test_first_difference():
-    assert bench.first_difference([1, 2, 3], [1, 2, 3]) is None
-    assert bench.first_difference([1, 2, 3], [1, 5, 3]) == 1
-    assert bench.first_difference([1, 2], [1, 2, 3]) == 2
+    assert bench_report.first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert bench_report.first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert bench_report.first_difference([1, 2], [1, 2, 3]) == 2
 
 
 def test_report_figures_from_hand_built_runs():
     def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
-        return {"steps": steps, "drafted": drafted, "accepted": accepted, "accepted_per_position": per_position,
-                "draft_seconds": draft_s, "verify_seconds": verify_s, "other_seconds": 0.0,
-                "draft_lengths": [drafted // steps] * steps,
-                "step_draft_seconds": [draft_s / steps] * steps, "step_verify_seconds": [verify_s / steps] * steps}
+        return {
+            "steps": steps,
+            "drafted": drafted,
+            "accepted": accepted,
+            "accepted_per_position": per_position,
+            "draft_seconds": draft_s,
+            "verify_seconds": verify_s,
+            "other_seconds": 0.0,
+            "draft_lengths": [drafted // steps] * steps,
+            "step_draft_seconds": [draft_s / steps] * steps,
+            "step_verify_seconds": [verify_s / steps] * steps,
+        }
 
     ids = [1, 2, 3, 4]
     runs = {
-        "hf_target": [bench.Run(ids, 2.0), bench.Run(ids, 2.0)],
-        "hf_assisted": [bench.Run(ids, 1.0), bench.Run([1, 2, 9, 4], 1.0)],
-        "specd_target": [bench.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 2.0)),
-                         bench.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 4.0))],  # 0.5 and 1.0 s per step
-        "specd_spec": [bench.Run(ids, 1.0, spec(2, 4, 2, [2], 0.4, 0.5)),  # 0.1 s per drafted token
-                       bench.Run(ids, 1.0, spec(1, 2, 2, [1, 1], 0.6, 0.5))],  # 0.3 s per drafted token
+        "hf_target": [systems.Run(ids, 2.0), systems.Run(ids, 2.0)],
+        "hf_assisted": [systems.Run(ids, 1.0), systems.Run([1, 2, 9, 4], 1.0)],
+        "specd_target": [
+            systems.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 2.0)),
+            systems.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 4.0)),
+        ],  # 0.5 and 1.0 s per step
+        "specd_spec": [
+            systems.Run(ids, 1.0, spec(2, 4, 2, [2], 0.4, 0.5)),  # 0.1 s per drafted token
+            systems.Run(ids, 1.0, spec(1, 2, 2, [1, 1], 0.6, 0.5)),
+        ],  # 0.3 s per drafted token
     }
-    settings = bench.BenchSettings(prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2)
-    report = bench.build_report(settings, runs, [[7], [8, 9]])
+    settings = systems.BenchSettings(prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2)
+    report = bench_report.build_report(settings, runs, [[7], [8, 9]])
     assert report["results"]["hf_target"] == {"tokens": 8, "seconds": 4.0, "tokens_per_s": 2.0}
     assert report["results"]["specd_spec"]["tokens_per_s"] == 4.0
     assert report["ratios"]["specd_spec/hf_target"] == 2.0
@@ -88,8 +126,11 @@ def test_report_figures_from_hand_built_runs():
     assert report["median_ratios"]["specd_spec/hf_assisted"] == pytest.approx(1.0)  # 4/4 and 4/4 tokens/s
     assert report["speedup_of_analytic_best"] == pytest.approx((4.0 / 1.6) / report["analytic_speedup"])
     # per step: decode 0.5 / 1.0 s (median 0.75), drafts 0.1, 0.1, 0.3 s per token, Verify(K=2) 0.25, 0.25, 0.5 s
-    assert report["measured_costs"] == {"target_step_s": 0.75, "draft_token_s": pytest.approx(0.1),
-                                        "verify_s_by_k": {2: 0.25}}
+    assert report["measured_costs"] == {
+        "target_step_s": 0.75,
+        "draft_token_s": pytest.approx(0.1),
+        "verify_s_by_k": {2: 0.25},
+    }
     tokens = 1 + 2 / 3 + (2 / 3) ** 2  # E[tokens](K = 2) at α = 2/3
     assert report["achievable_speedup"] == pytest.approx(tokens * 0.75 / (2 * 0.1 + 0.25))
     assert report["achievable_best_k"] == 2
@@ -104,7 +145,7 @@ def test_report_figures_from_hand_built_runs():
 def test_hf_baselines_ignore_eos_and_leave_the_models_config_alone(tiny_dirs):
     """Like specd's ignore_eos: generation goes on through EOS, so every system makes N tokens."""
     draft, target = load_model(str(tiny_dirs["draft"]), "float32"), load_model(str(tiny_dirs["target"]), "float32")
-    hf = bench.HFSystems(draft, target)
+    hf = systems.HFSystems(draft, target)
     prompt = hf.encode("def quicksort(arr):\n")
     first = hf.run(prompt, 1, assisted=False).token_ids[0]
     eos = target.eos_token_ids[0]
@@ -123,17 +164,25 @@ def test_hf_baselines_ignore_eos_and_leave_the_models_config_alone(tiny_dirs):
 
 
 async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
-    prompts, kinds = bench.load_prompts(bench_cli_default_prompts())
-    settings = bench.BenchSettings(prompts=prompts[:2], kinds=kinds[:2], max_new_tokens=8, draft_tokens=3,
-                                   dtype="float32", server=address(tiny_stack), timeout=60.0)
+    prompts, kinds = systems.load_prompts(bench_cli_default_prompts())
+    settings = systems.BenchSettings(
+        prompts=prompts[:2],
+        kinds=kinds[:2],
+        max_new_tokens=8,
+        draft_tokens=3,
+        dtype="float32",
+        server=address(tiny_stack),
+        timeout=60.0,
+    )
     labels = []
-    report = await bench.run_bench(settings, advance=labels.append, say=lambda message: None,
-                                   models=(tiny_loaded["draft"], tiny_loaded["target"]))
+    report = await systems.run_bench(
+        settings, advance=labels.append, say=lambda message: None, models=(tiny_loaded["draft"], tiny_loaded["target"])
+    )
     assert len(labels) == 2 * 4 and labels[-1] == "prompt 2/2 specd_spec"
     json.loads(json.dumps(report))  # serializable as it stands
 
     assert set(report) >= TOP_KEYS
-    assert set(report["results"]) == set(bench.SYSTEMS)
+    assert set(report["results"]) == set(bench_report.SYSTEMS)
     for system, result in report["results"].items():
         assert result["tokens"] == 2 * 8, system  # EOS ignored: every system makes N tokens per prompt
         assert result["tokens_per_s"] == pytest.approx(result["tokens"] / result["seconds"])
@@ -144,12 +193,12 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     assert report["greedy_match"] is True  # float32: specd's output is the target's greedy output
     assert 0 <= report["alpha"] <= 1 and report["c"] > 0
     assert 1 <= report["mean_accepted_length"] <= 1 + 3
-    assert report["analytic_speedup"] == pytest.approx(bench.analytic_best(report["alpha"], report["c"])[0])
+    assert report["analytic_speedup"] == pytest.approx(bench_report.analytic_best(report["alpha"], report["c"])[0])
     assert len(report["acceptance_by_position"]) == 3
 
     assert len(report["per_prompt"]) == 2
     for entry in report["per_prompt"]:
-        assert set(entry["tokens_per_s"]) == set(bench.SYSTEMS)
+        assert set(entry["tokens_per_s"]) == set(bench_report.SYSTEMS)
         assert entry["matches_hf_target"]["specd_spec"] and entry["matches_hf_target"]["specd_target"]
         assert len(entry["hf_target_token_ids"]) == 8 and entry["kind"] == "code"
     assert report["settings"]["max_new_tokens"] == 8 and report["settings"]["draft_tokens"] == 3
@@ -157,12 +206,12 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     assert report["settings"]["server_info"]["dtype"] == "float32"
     assert report["settings"]["hf_assisted_generation"]["num_assistant_tokens"] >= 1
 
-    bench.save_plot(report, tmp_path / "bench.png")
+    bench_report.save_plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(PNG_SIGNATURE)
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=160)
-    for table in bench.summary_tables(report):
+    for table in bench_report.summary_tables(report):
         console.print(table)
     text = console.file.getvalue()
     assert "specd_spec / hf_assisted" in text and "analytic best" in text
@@ -170,11 +219,30 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
 
 async def test_command_line_writes_json_and_plot(tiny_stack, tiny_dirs, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt": "def fibonacci(n):\\n", "kind": "code"}\n{"prompt": "Once upon a time", "kind": "prose"}\n')
-    argv = ["bench", "--server", address(tiny_stack), "--prompts", str(prompts), "--max-new-tokens", "6",
-            "--draft-tokens", "2", "--dtype", "float32", "--draft-model", str(tiny_dirs["draft"]),
-            "--target-model", str(tiny_dirs["target"]), "--json", str(tmp_path / "out.json"),
-            "--plot", str(tmp_path / "out.png")]
+    prompts.write_text(
+        '{"prompt": "def fibonacci(n):\\n", "kind": "code"}\n{"prompt": "Once upon a time", "kind": "prose"}\n'
+    )
+    argv = [
+        "bench",
+        "--server",
+        address(tiny_stack),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "6",
+        "--draft-tokens",
+        "2",
+        "--dtype",
+        "float32",
+        "--draft-model",
+        str(tiny_dirs["draft"]),
+        "--target-model",
+        str(tiny_dirs["target"]),
+        "--json",
+        str(tmp_path / "out.json"),
+        "--plot",
+        str(tmp_path / "out.png"),
+    ]
     # the command runs its own event loop (asyncio.run): keep it off the loop serving the tiny stack
     assert await asyncio.to_thread(cli, argv) == 0
     report = json.loads((tmp_path / "out.json").read_text())
@@ -186,14 +254,24 @@ async def test_command_line_writes_json_and_plot(tiny_stack, tiny_dirs, tmp_path
 
 
 def test_quick_takes_the_first_prompts_and_fewer_tokens():
-    args = argparse.Namespace(quick=True, prompts=None, max_new_tokens=None, draft_tokens=4, timeout=600.0,
-                              dtype=None, threads=None, draft_model="draft", target_model="target", server=None,
-                              draft_quantize="auto")
-    settings = bench_cli._settings(args, bench)
-    assert len(settings.prompts) == bench.QUICK_PROMPTS and settings.max_new_tokens == bench.QUICK_TOKENS
+    args = argparse.Namespace(
+        quick=True,
+        prompts=None,
+        max_new_tokens=None,
+        draft_tokens=4,
+        timeout=600.0,
+        dtype=None,
+        threads=None,
+        draft_model="draft",
+        target_model="target",
+        server=None,
+        draft_quantize="auto",
+    )
+    settings = bench_cli._settings(args)
+    assert len(settings.prompts) == systems.QUICK_PROMPTS and settings.max_new_tokens == systems.QUICK_TOKENS
     args.quick = False
-    settings = bench_cli._settings(args, bench)
-    assert len(settings.prompts) == 24 and settings.max_new_tokens == bench.DEFAULT_TOKENS
+    settings = bench_cli._settings(args)
+    assert len(settings.prompts) == 24 and settings.max_new_tokens == systems.DEFAULT_TOKENS
 
 
 def test_command_line_rejects_bad_flags(tmp_path):

@@ -8,10 +8,10 @@ import os
 import signal
 import time
 
-from specd.proto.client import channel, complete, make_request
 from specd.deploy.cluster import placement
 from specd.deploy.lab import Lab, LabConfig, process_alive
 from specd.orchestrator.remote import wait_until_serving
+from specd.proto.client import channel, complete, make_request
 from specd.v1 import specdecode_pb2_grpc
 
 PROMPT = "def quicksort(arr):"
@@ -27,8 +27,13 @@ def test_placement_follows_the_cluster_resources():
 
 
 async def test_ray_restarts_a_dead_or_hung_server_and_output_stays_exact(tiny_dirs):
-    config = LabConfig(draft_model=str(tiny_dirs["draft"]), target_model=str(tiny_dirs["target"]), dtype="float32",
-                       namespaces=False, up_flags=["--health-period", "1", "--restart-after", "20"])
+    config = LabConfig(
+        draft_model=str(tiny_dirs["draft"]),
+        target_model=str(tiny_dirs["target"]),
+        dtype="float32",
+        namespaces=False,
+        up_flags=["--health-period", "1", "--restart-after", "20"],
+    )
     async with Lab(config) as lab:
         await lab.deploy()
         baseline = await generate(lab.address, draft_tokens=0)
@@ -75,4 +80,3 @@ async def assert_speculation_exact(address: str, baseline) -> None:
             return
         await asyncio.sleep(1)
     raise AssertionError("speculation never resumed after the restart")
-

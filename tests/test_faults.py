@@ -19,14 +19,15 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specd.proto.auth import ServerSecurity
 from specd.deploy.local import free_port
-from specd.proto.limits import Limits
+from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
-from specd.target_service.engine import TargetEngine
+from specd.proto.auth import ServerSecurity
+from specd.proto.limits import Limits
 from specd.target_service.server import create_target_server
+from specd.target_service.verifier import Verifier
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
 PROMPT = "def quicksort(arr):"
@@ -38,7 +39,8 @@ def request(k: int, max_new_tokens: int) -> specdecode_pb2.GenerateRequest:
 
 
 class Recorder(grpc.aio.ServerInterceptor):
-    """Slows every specd call by `delay` seconds and records the deadline it arrived with."""
+    """Slows every specd call by `delay` seconds and records the deadline each session call (all but
+    Release) arrived with."""
 
     def __init__(self):
         self.delay = 0.0
@@ -51,7 +53,8 @@ class Recorder(grpc.aio.ServerInterceptor):
         behavior = handler.unary_unary
 
         async def slowed(request, context):
-            self.time_remaining.append(context.time_remaining())
+            if not details.method.endswith("/Release"):  # cleanup, sent after the request ended: its own cap
+                self.time_remaining.append(context.time_remaining())
             if self.delay:
                 await asyncio.sleep(self.delay)
             return await behavior(request, context)
@@ -80,10 +83,29 @@ class DraftProcess:
         self.process: subprocess.Popen | None = None
 
     def spawn(self) -> None:
-        command = [sys.executable, "-m", "specd.cli", "serve", "draft", "--model", str(self.model_dir), "--dtype", "float32",
-                   "--threads", "1", "--port", str(self.port), "--no-metrics"]
-        self.process = subprocess.Popen(command, stdout=open(self.log_path, "a"), stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, start_new_session=True)
+        command = [
+            sys.executable,
+            "-m",
+            "specd.cli",
+            "serve",
+            "draft",
+            "--model",
+            str(self.model_dir),
+            "--dtype",
+            "float32",
+            "--threads",
+            "1",
+            "--port",
+            str(self.port),
+            "--no-metrics",
+        ]
+        self.process = subprocess.Popen(
+            command,
+            stdout=open(self.log_path, "a"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
 
     async def serving(self) -> None:
         await wait_until_serving(self.address, timeout_s=120)
@@ -106,8 +128,9 @@ class FaultStack:
     async def start_orchestrator(self, **options) -> specdecode_pb2_grpc.SpecDecodeStub:
         if self.orchestrator:
             await self.orchestrator.stop(0)
-        self.orchestrator = OrchestratorServer(self.draft.address, f"127.0.0.1:{self.target.port}", workers=1,
-                                               policy=POLICY, **options)
+        self.orchestrator = OrchestratorServer(
+            self.draft.address, f"127.0.0.1:{self.target.port}", workers=1, policy=POLICY, **options
+        )
         await self.orchestrator.start("127.0.0.1:0")
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.orchestrator.port}")
         self.channels.append(channel)
@@ -120,7 +143,7 @@ class FaultStack:
             await self.target.stop(0)
         await asyncio.sleep(gap_s)
         loaded = self.target_loaded
-        self.target = create_target_server(lambda: TargetEngine(loaded, Limits()))
+        self.target = create_target_server(lambda: Verifier(TransformersEngine(loaded), Limits()))
         await self.target.start(f"127.0.0.1:{port}", Instrumented(self.recorder))
         await self.target.load()
 
@@ -145,7 +168,7 @@ async def faults(tiny_dirs, tiny_loaded, ray_local, tmp_path_factory):
     draft = DraftProcess(tiny_dirs["target"], tmp_path_factory.mktemp("faults") / "draft.log")
     draft.spawn()
     recorder = Recorder()
-    target = create_target_server(lambda: TargetEngine(tiny_loaded["target"], Limits()))
+    target = create_target_server(lambda: Verifier(TransformersEngine(tiny_loaded["target"]), Limits()))
     await target.start("127.0.0.1:0", Instrumented(recorder))
     await target.load()
     stack = FaultStack(draft, target, recorder, tiny_loaded["target"])
@@ -221,10 +244,13 @@ async def test_draft_killed_mid_stream_fails_closed_then_resumes_after_restart(f
 
     started = time.monotonic()
     tokens, final, phases = await stream_through_fault(
-        faults.client, faults.recorder, max_new_tokens, kill_and_restart, nothing, lambda: restarted[0].done())
+        faults.client, faults.recorder, max_new_tokens, kill_and_restart, nothing, lambda: restarted[0].done()
+    )
     faults.recorder.delay = 0.0
-    print(f"draft kill: {len(phases)} deltas in {time.monotonic() - started:.1f} s, "
-          f"{sum(p == 'during' for p, _ in phases)} while the draft was down; resyncs {final.stats.resyncs}")
+    print(
+        f"draft kill: {len(phases)} deltas in {time.monotonic() - started:.1f} s, "
+        f"{sum(p == 'during' for p, _ in phases)} while the draft was down; resyncs {final.stats.resyncs}"
+    )
     assert tokens == expected  # exact: every token is the target's own
     assert final.finish_reason == "length"
     check_fail_closed(phases)
@@ -248,7 +274,8 @@ async def test_draft_frozen_past_its_deadline_fails_closed_then_resumes(faults):
 
     try:
         tokens, final, phases = await stream_through_fault(
-            faults.client, faults.recorder, max_new_tokens, freeze, thaw, lambda: time.monotonic() - frozen_at[0] > 3)
+            faults.client, faults.recorder, max_new_tokens, freeze, thaw, lambda: time.monotonic() - frozen_at[0] > 3
+        )
     finally:
         faults.draft.signal(signal.SIGCONT)
         faults.recorder.delay = 0.0

@@ -17,8 +17,9 @@ from specd.v1 import common_pb2, draft_pb2, target_pb2
 VOCAB = 151_936
 SESSIONS = ["fz-a", "fz-b", "fz-c"]
 BUGS = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}
-FUZZ = settings(max_examples=1000, deadline=None, database=None, derandomize=True,
-                suppress_health_check=list(HealthCheck))
+FUZZ = settings(
+    max_examples=1000, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
 
 # About half of each kind of field is well-formed, so many calls get past validation to the model.
 tokens = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=8) | st.lists(st.integers(0, 2**32 - 1), max_size=10)
@@ -30,11 +31,15 @@ samplings = st.builds(common_pb2.SamplingParams) | st.builds(
     top_k=st.integers(0, 100) | st.integers(0, 2**32 - 1),
     seed=st.integers(0, 2**64 - 1),
 )
-q_rows = st.lists(st.builds(
-    draft_pb2.SparseDistribution,
-    token_ids=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 20), max_size=6),
-    probs=st.lists(floats32, max_size=6).map(lambda values: np.array(values, dtype="<f4").tobytes()) | st.binary(max_size=24),
-), max_size=5)
+q_rows = st.lists(
+    st.builds(
+        draft_pb2.SparseDistribution,
+        token_ids=st.lists(st.integers(0, 2**32 - 1) | st.integers(0, 20), max_size=6),
+        probs=st.lists(floats32, max_size=6).map(lambda values: np.array(values, dtype="<f4").tobytes())
+        | st.binary(max_size=24),
+    ),
+    max_size=5,
+)
 
 
 class Tracker:
@@ -90,10 +95,14 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
         payload = data.draw(st.binary(max_size=48))
         code = await send_raw(channel, service, method, payload)
         if code == grpc.StatusCode.OK and method in ("Prefill", "Release"):
-            parsed = (common_pb2.PrefillRequest if method == "Prefill" else common_pb2.ReleaseRequest).FromString(payload)
+            parsed = (common_pb2.PrefillRequest if method == "Prefill" else common_pb2.ReleaseRequest).FromString(
+                payload
+            )
             if method == "Prefill":
                 live.add(parsed.cursor.session_id)
-                tracker.held.pop(parsed.cursor.session_id, None)  # unknown contents now: refresh via FAILED_PRECONDITION
+                tracker.held.pop(
+                    parsed.cursor.session_id, None
+                )  # unknown contents now: refresh via FAILED_PRECONDITION
             else:
                 live.discard(parsed.session_id)
         return
@@ -111,8 +120,11 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
             live.add(cursor.session_id)
             tracker.answered(cursor, [], reply.cached_tokens)
     elif kind == "Propose":
-        request = draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=data.draw(st.integers(1, 8) | st.integers(0, 20)),
-                                           sampling=data.draw(samplings))
+        request = draft_pb2.ProposeRequest(
+            cursor=cursor,
+            num_draft_tokens=data.draw(st.integers(1, 8) | st.integers(0, 20)),
+            sampling=data.draw(samplings),
+        )
         code, reply = await send(stub, "Propose", request)
         if reply is not None:
             assert len(reply.draft_tokens) == request.num_draft_tokens
@@ -122,10 +134,13 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
         sampling = data.draw(samplings)
         if kind == "Verify":
             drafts = data.draw(tokens)
-            one_hot = [draft_pb2.SparseDistribution(token_ids=[token], probs=np.float32(1).tobytes()) for token in drafts]
+            one_hot = [
+                draft_pb2.SparseDistribution(token_ids=[token], probs=np.float32(1).tobytes()) for token in drafts
+            ]
             q = data.draw(st.just(one_hot) | q_rows)  # one-hot rows are valid q for any drafts
-            request = target_pb2.VerifyRequest(cursor=cursor, draft_tokens=drafts, q=q,
-                                               sampling=sampling, return_logprobs=data.draw(st.booleans()))
+            request = target_pb2.VerifyRequest(
+                cursor=cursor, draft_tokens=drafts, q=q, sampling=sampling, return_logprobs=data.draw(st.booleans())
+            )
         else:
             request = target_pb2.DecodeRequest(cursor=cursor, sampling=sampling)
         code, reply = await send(stub, kind, request)
@@ -146,8 +161,9 @@ async def good_call_works(stub) -> None:
     committed = [785, 8251, 7640, 389]
     prefix = common_pb2.SessionCursor(session_id="good", start=0, fingerprint=0, tokens=committed[:3])
     await stub.Prefill(common_pb2.PrefillRequest(cursor=prefix))
-    cursor = common_pb2.SessionCursor(session_id="good", start=3, fingerprint=fingerprint(committed[:3]),
-                                      tokens=committed[3:])
+    cursor = common_pb2.SessionCursor(
+        session_id="good", start=3, fingerprint=fingerprint(committed[:3]), tokens=committed[3:]
+    )
     if hasattr(stub, "Propose"):
         reply = await stub.Propose(draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=3))
         assert len(reply.draft_tokens) == 3

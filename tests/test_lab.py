@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from specd.proto.client import channel, complete, make_request
 from specd.deploy.lab import Lab, LabConfig, namespaces_refused, process_alive
+from specd.proto.client import channel, complete, make_request
 from specd.v1 import specdecode_pb2_grpc
 
 RTT_MS = 20
@@ -38,8 +38,13 @@ async def check_lab(lab: Lab, draft_host_ip: str, target_host_ip: str) -> None:
 
 
 def lab_config(tiny_dirs, namespaces: bool) -> LabConfig:
-    return LabConfig(draft_model=str(tiny_dirs["draft"]), target_model=str(tiny_dirs["target"]), dtype="float32",
-                     rtt_ms=RTT_MS, namespaces=namespaces)
+    return LabConfig(
+        draft_model=str(tiny_dirs["draft"]),
+        target_model=str(tiny_dirs["target"]),
+        dtype="float32",
+        rtt_ms=RTT_MS,
+        namespaces=namespaces,
+    )
 
 
 @pytest.mark.timeout(300)
@@ -84,4 +89,3 @@ def assert_torn_down(lab: Lab) -> None:
         assert lab.network.bridge not in links
     else:  # on namespaced hosts the printed pids are the hosts' own, and the hosts are gone
         assert not [pid for _, pid in lab.deployed.values() if process_alive(pid)]
-

@@ -6,34 +6,37 @@ import contextlib
 
 import grpc
 import pytest
-
-from specd.draft_service.engine import DraftEngine
-from specd.draft_service.server import create_draft_server
-from specd.proto.limits import Limits
-from specd.orchestrator.server import OrchestratorServer
-from specd.target_service.engine import TargetEngine
-from specd.target_service.server import create_target_server
-from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 from test_faults import POLICY, Instrumented, Recorder
+
+from specd.draft_service.drafter import Drafter
+from specd.draft_service.server import create_draft_server
+from specd.model.transformers_engine import TransformersEngine
+from specd.orchestrator.server import OrchestratorServer
+from specd.proto.limits import Limits
+from specd.target_service.server import create_target_server
+from specd.target_service.verifier import Verifier
+from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
 
 def request(max_new_tokens: int, k: int = 4, prompt: str = "def quicksort(arr):", **fields):
-    return specdecode_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens, draft_tokens=k,
-                                          ignore_eos=True, **fields)
+    return specdecode_pb2.GenerateRequest(
+        prompt=prompt, max_new_tokens=max_new_tokens, draft_tokens=k, ignore_eos=True, **fields
+    )
 
 
 @contextlib.asynccontextmanager
 async def limited_stack(tiny_loaded, draft_limits=Limits(), target_limits=Limits(), **orchestrator_options):
     """In-process draft and target with these limits (the target slowed by a Recorder), an orchestrator."""
     recorder = Recorder()
-    draft = create_draft_server(lambda: DraftEngine(tiny_loaded["draft"], draft_limits))
-    target = create_target_server(lambda: TargetEngine(tiny_loaded["target"], target_limits))
+    draft = create_draft_server(lambda: Drafter(TransformersEngine(tiny_loaded["draft"]), draft_limits))
+    target = create_target_server(lambda: Verifier(TransformersEngine(tiny_loaded["target"]), target_limits))
     await draft.start("127.0.0.1:0")
     await target.start("127.0.0.1:0", Instrumented(recorder))
     for server in (draft, target):
         await server.load()
-    orchestrator = OrchestratorServer(f"127.0.0.1:{draft.port}", f"127.0.0.1:{target.port}", workers=1,
-                                      policy=POLICY, **orchestrator_options)
+    orchestrator = OrchestratorServer(
+        f"127.0.0.1:{draft.port}", f"127.0.0.1:{target.port}", workers=1, policy=POLICY, **orchestrator_options
+    )
     await orchestrator.start("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}")
     try:
@@ -122,13 +125,47 @@ def test_limits_are_serve_settings():
     from specd.cli import build_parser
     from specd.cli.serve import limits_from_args
 
-    args = build_parser().parse_args(["serve", "target", "--max-sessions", "3", "--max-cached-tokens", "500",
-                                      "--max-session-tokens", "200", "--max-draft-tokens", "6"])
-    assert limits_from_args(args) == Limits(max_sessions=3, max_cached_tokens=500, max_session_tokens=200,
-                                            max_draft_tokens=6, max_batch_size=args.max_batch_size,
-                                            max_batch_tokens=args.max_batch_tokens)
-    args = build_parser().parse_args(["serve", "orchestrator", "--draft", "d:1", "--target", "t:2",
-                                      "--max-concurrent-requests", "8", "--max-prompt-tokens", "2048",
-                                      "--propose-timeout", "2", "--call-timeout", "60", "--target-retry", "15"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "target",
+            "--max-sessions",
+            "3",
+            "--max-cached-tokens",
+            "500",
+            "--max-session-tokens",
+            "200",
+            "--max-draft-tokens",
+            "6",
+        ]
+    )
+    assert limits_from_args(args) == Limits(
+        max_sessions=3,
+        max_cached_tokens=500,
+        max_session_tokens=200,
+        max_draft_tokens=6,
+        max_batch_size=args.max_batch_size,
+        max_batch_tokens=args.max_batch_tokens,
+    )
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "orchestrator",
+            "--draft",
+            "d:1",
+            "--target",
+            "t:2",
+            "--max-concurrent-requests",
+            "8",
+            "--max-prompt-tokens",
+            "2048",
+            "--propose-timeout",
+            "2",
+            "--call-timeout",
+            "60",
+            "--target-retry",
+            "15",
+        ]
+    )
     assert (args.max_concurrent_requests, args.max_prompt_tokens) == (8, 2048)
     assert (args.propose_timeout, args.call_timeout, args.target_retry) == (2, 60, 15)

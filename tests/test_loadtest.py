@@ -14,8 +14,18 @@ from specd.v1 import specdecode_pb2
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 QUANTILES = ("mean", "p50", "p90", "p99")
 LATENCIES = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
-RUN_KEYS = {"concurrency", "rate", "requests", "output_tokens_per_s", "requests_per_s", *LATENCIES,
-            "acceptance_rate", "mean_accepted_length", "acceptance_by_position", "errors"}
+RUN_KEYS = {
+    "concurrency",
+    "rate",
+    "requests",
+    "output_tokens_per_s",
+    "requests_per_s",
+    *LATENCIES,
+    "acceptance_rate",
+    "mean_accepted_length",
+    "acceptance_by_position",
+    "errors",
+}
 
 
 def settings_for(address: str, **overrides) -> loadtest.Settings:
@@ -50,22 +60,33 @@ def test_inter_token_latency_splits_a_delta_over_its_tokens():
 
 
 def test_request_result_ttft_tpot_e2e():
-    result = loadtest.RequestResult(started=10.0, ended=11.0, delta_times=[10.2, 10.6, 11.0],
-                                    delta_tokens=[1, 2, 2], completion_tokens=5)
+    result = loadtest.RequestResult(
+        started=10.0, ended=11.0, delta_times=[10.2, 10.6, 11.0], delta_tokens=[1, 2, 2], completion_tokens=5
+    )
     assert result.ttft == pytest.approx(0.2)
     assert result.e2e == pytest.approx(1.0)
     assert result.tpot == pytest.approx(0.8 / 4)
-    assert loadtest.RequestResult(started=0.0, ended=1.0, delta_times=[0.5], delta_tokens=[1],
-                                  completion_tokens=1).tpot is None
+    assert (
+        loadtest.RequestResult(started=0.0, ended=1.0, delta_times=[0.5], delta_tokens=[1], completion_tokens=1).tpot
+        is None
+    )
 
 
 def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
     stats = [
-        specdecode_pb2.SpeculationStats(draft_tokens=3, steps=4, drafted=12, accepted=6, accepted_per_position=[3, 2, 1],
-                                        draft_lengths=[3, 3, 3, 3]),
+        specdecode_pb2.SpeculationStats(
+            draft_tokens=3, steps=4, drafted=12, accepted=6, accepted_per_position=[3, 2, 1], draft_lengths=[3, 3, 3, 3]
+        ),
         # adaptive: K varied, and two steps ran target-only
-        specdecode_pb2.SpeculationStats(draft_tokens=8, adaptive=True, steps=6, drafted=6, accepted=4,
-                                        accepted_per_position=[3, 1], draft_lengths=[0, 1, 2, 3, 0, 0]),
+        specdecode_pb2.SpeculationStats(
+            draft_tokens=8,
+            adaptive=True,
+            steps=6,
+            drafted=6,
+            accepted=4,
+            accepted_per_position=[3, 1],
+            draft_lengths=[0, 1, 2, 3, 0, 0],
+        ),
     ]
     summary = loadtest.speculation_summary(stats)
     assert summary["acceptance_rate"] == pytest.approx(10 / 18)
@@ -73,9 +94,16 @@ def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
     assert summary["acceptance_by_position"] == pytest.approx([6 / 7, 3 / 6, 1 / 5])
     assert summary["speculation_off_share"] == pytest.approx(3 / 10)
     assert summary["mean_draft_length"] == pytest.approx(18 / 7)
-    off = loadtest.speculation_summary([specdecode_pb2.SpeculationStats(draft_tokens=0, steps=8, draft_lengths=[0] * 8)])
-    assert off == {"acceptance_rate": None, "mean_accepted_length": 1.0, "acceptance_by_position": [],
-                   "speculation_off_share": 1.0, "mean_draft_length": None}
+    off = loadtest.speculation_summary(
+        [specdecode_pb2.SpeculationStats(draft_tokens=0, steps=8, draft_lengths=[0] * 8)]
+    )
+    assert off == {
+        "acceptance_rate": None,
+        "mean_accepted_length": 1.0,
+        "acceptance_by_position": [],
+        "speculation_off_share": 1.0,
+        "mean_draft_length": None,
+    }
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate():
@@ -158,9 +186,23 @@ def cli(argv: list[str]) -> int:
 
 
 async def test_command_line_writes_json_and_plot(tiny_stack, tmp_path):
-    argv = ["loadtest", "--server", f"127.0.0.1:{tiny_stack.orchestrator.port}", "--concurrency", "1,2",
-            "--requests", "3", "--max-new-tokens", "6", "--draft-tokens", "2",
-            "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")]
+    argv = [
+        "loadtest",
+        "--server",
+        f"127.0.0.1:{tiny_stack.orchestrator.port}",
+        "--concurrency",
+        "1,2",
+        "--requests",
+        "3",
+        "--max-new-tokens",
+        "6",
+        "--draft-tokens",
+        "2",
+        "--json",
+        str(tmp_path / "out.json"),
+        "--plot",
+        str(tmp_path / "out.png"),
+    ]
     # the command runs its own event loop (asyncio.run): keep it off the loop serving the tiny stack
     assert await asyncio.to_thread(cli, argv) == 0
     report = json.loads((tmp_path / "out.json").read_text())

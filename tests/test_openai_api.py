@@ -17,19 +17,23 @@ import pytest
 from transformers import AutoTokenizer
 
 from specd.deploy.local import free_port
-from specd.proto.metrics import start_exporter
+from specd.orchestrator.core import STEP_FIELDS
 from specd.orchestrator.openai_api import HttpApi
+from specd.proto.metrics import start_exporter
 from specd.v1 import common_pb2, specdecode_pb2
 
 PROMPT = "def quicksort(arr):"
-CHAT = [{"role": "system", "content": "You are a terse assistant."},
-        {"role": "user", "content": "Write a Python function that reverses a string."}]
+STATS_FIELDS = {field.name for field in specdecode_pb2.SpeculationStats.DESCRIPTOR.fields}
+CHAT = [
+    {"role": "system", "content": "You are a terse assistant."},
+    {"role": "user", "content": "Write a Python function that reverses a string."},
+]
 
 
 @pytest.fixture(scope="module")
 async def tiny_http(tiny_stack):
     """The tiny stack's orchestrator, also serving HTTP on a free port."""
-    http = HttpApi(tiny_stack.orchestrator.servicer)
+    http = HttpApi(tiny_stack.orchestrator.core)
     port = await http.start("127.0.0.1", 0)
     yield tiny_stack, f"http://127.0.0.1:{port}", http.api.model_name
     await http.stop()
@@ -39,11 +43,16 @@ def client(base: str) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
 
 
-async def grpc_generate(stack, max_new_tokens: int, k: int | None = None, prompt: str = "",
-                        prompt_token_ids=(), ignore_eos: bool = True) -> tuple[str, specdecode_pb2.Final]:
-    message = specdecode_pb2.GenerateRequest(prompt=prompt, prompt_token_ids=list(prompt_token_ids),
-                                             max_new_tokens=max_new_tokens, ignore_eos=ignore_eos,
-                                             sampling=common_pb2.SamplingParams(temperature=0))
+async def grpc_generate(
+    stack, max_new_tokens: int, k: int | None = None, prompt: str = "", prompt_token_ids=(), ignore_eos: bool = True
+) -> tuple[str, specdecode_pb2.Final]:
+    message = specdecode_pb2.GenerateRequest(
+        prompt=prompt,
+        prompt_token_ids=list(prompt_token_ids),
+        max_new_tokens=max_new_tokens,
+        ignore_eos=ignore_eos,
+        sampling=common_pb2.SamplingParams(temperature=0),
+    )
     if k is not None:
         message.draft_tokens = k
     text, final = "", None
@@ -57,15 +66,18 @@ async def grpc_generate(stack, max_new_tokens: int, k: int | None = None, prompt
 
 async def http(method: str, url: str, body=None, headers=None, context=None) -> tuple[int, str]:
     """One plain HTTP call (status, body text), off the event loop."""
+
     def call():
         data = None if body is None else (body if isinstance(body, bytes) else json.dumps(body).encode())
-        request = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json", **(headers or {})})
+        request = urllib.request.Request(
+            url, data=data, method=method, headers={"Content-Type": "application/json", **(headers or {})}
+        )
         try:
             with urllib.request.urlopen(request, timeout=120, context=context) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
+
     return await asyncio.to_thread(call)
 
 
@@ -79,12 +91,14 @@ async def test_openai_completion_equals_grpc_greedy(tiny_http):
     stack, base, model = tiny_http
     expected, final = await grpc_generate(stack, 16, prompt=PROMPT)
     completion = await client(base).completions.create(
-        model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+        model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
+    )
     choice = completion.choices[0]
     assert choice.text == expected and choice.finish_reason == "length"
     assert completion.usage.completion_tokens == 16 and completion.usage.prompt_tokens == final.usage.prompt_tokens
     stats = completion.model_extra["specd"]
-    assert stats["draft_tokens"] == 8 and stats["drafted"] > 0  # adaptive K, up to 8
+    assert set(stats) == STATS_FIELDS - set(STEP_FIELDS)  # the gRPC Final's names; per-step lists on `trace` only
+    assert stats["draft_tokens"] == 8 and stats["drafted"] > 0 and stats["adaptive"]  # adaptive K, up to 8
     assert stats["accepted"] == sum(stats["accepted_per_position"]) and 0 <= stats["acceptance_rate"] <= 1
 
 
@@ -92,8 +106,14 @@ async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
     stack, base, model = tiny_http
     expected, _ = await grpc_generate(stack, 12, prompt_token_ids=chat_prompt_ids(tiny_dirs["target"]))
     stream = await client(base).chat.completions.create(
-        model=model, messages=CHAT, max_tokens=12, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        model=model,
+        messages=CHAT,
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     text, finish, stats, usage = "", None, None, None
     async for chunk in stream:
         if chunk.usage:
@@ -110,31 +130,53 @@ async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
 async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_http):
     stack, base, model = tiny_http
     openai_client = client(base)
-    whole = await openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
-                                                        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 2}})
+    whole = await openai_client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 2}},
+    )
     assert whole.choices[0].message.role == "assistant"
     stats = whole.model_extra["specd"]
-    assert stats["draft_tokens"] == 2 and "step_seconds" not in stats
-    traced = await openai_client.chat.completions.create(model=model, messages=CHAT, max_tokens=10, temperature=0,
-                                                         extra_body={"specd": {"draft_tokens": 2, "trace": True}})
-    steps = traced.model_extra["specd"]["step_seconds"]
-    assert len(steps) == traced.model_extra["specd"]["steps"]
-    assert all(len(step) == 3 and min(step) >= 0 and step[1] > 0 for step in steps)  # draft, verify, network
-    pieces = await openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
-                                                    stream=True, extra_body={"ignore_eos": True})
+    assert stats["draft_tokens"] == 2 and "step_verify_seconds" not in stats and "step_draft_seconds" not in stats
+    traced = await openai_client.chat.completions.create(
+        model=model,
+        messages=CHAT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"specd": {"draft_tokens": 2, "trace": True}},
+    )
+    traced_stats = traced.model_extra["specd"]
+    assert set(traced_stats) == STATS_FIELDS
+    draft, verify = traced_stats["step_draft_seconds"], traced_stats["step_verify_seconds"]
+    assert len(draft) == len(verify) == traced_stats["steps"] == len(traced_stats["draft_lengths"])
+    assert all(seconds > 0 for seconds in verify)  # every step has a target call
+    assert all((seconds > 0) == (k > 0) for seconds, k in zip(draft, traced_stats["draft_lengths"]))
+    pieces = await openai_client.completions.create(
+        model=model, prompt=PROMPT, max_tokens=10, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     streamed = "".join([chunk.choices[0].text async for chunk in pieces if chunk.choices])
-    plain = await openai_client.completions.create(model=model, prompt=PROMPT, max_tokens=10, temperature=0,
-                                                   extra_body={"ignore_eos": True, "specd": {"draft_tokens": 0}})
+    plain = await openai_client.completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 0}},
+    )
     assert streamed == plain.choices[0].text  # speculation on (K=4) and off give the same greedy text
     assert plain.model_extra["specd"]["drafted"] == 0
 
 
 async def test_server_sent_events_end_with_done(tiny_http):
     _, base, model = tiny_http
-    status, body = await http("POST", f"{base}/v1/completions", {
-        "model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True})
+    status, body = await http(
+        "POST",
+        f"{base}/v1/completions",
+        {"model": model, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True, "ignore_eos": True},
+    )
     assert status == 200
-    events = [line[len("data: "):] for line in body.split("\n\n") if line.startswith("data: ")]
+    events = [line[len("data: ") :] for line in body.split("\n\n") if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(event) for event in events[:-1]]
     assert all(chunk["object"] == "text_completion" for chunk in chunks)
@@ -150,36 +192,43 @@ async def test_models_health_and_wrong_model(tiny_http):
     assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
 
 
-@pytest.mark.parametrize("path, fields, param, fragment", [
-    ("completions", {"n": 2}, "n", "one choice per request"),
-    ("completions", {"best_of": 3}, "best_of", "one choice"),
-    ("completions", {"echo": True}, "echo", "not echoed"),
-    ("completions", {"logprobs": 5}, "logprobs", "log probabilities"),
-    ("completions", {"suffix": "}"}, "suffix", "suffix"),
-    ("completions", {"logit_bias": {"42": 5}}, "logit_bias", "logit_bias"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
-    ("completions", {"frequency_penalty": 1}, "frequency_penalty", "penalties"),
-    ("completions", {"guided_json": {}}, "guided_json", "unknown field"),
-    ("completions", {"temperature": -1}, "temperature", ">= 0"),
-    ("completions", {"temperature": "hot"}, "temperature", "finite number"),
-    ("completions", {"top_p": 0}, "top_p", "(0, 1]"),
-    ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
-    ("completions", {"seed": -1}, "seed", "seed"),
-    ("completions", {"stop": 5}, "stop", "stop"),
-    ("completions", {"prompt": ["one", "two"]}, "prompt", "one request per prompt"),
-    ("completions", {"prompt": ""}, None, "empty"),
-    ("completions", {"max_tokens": 100_000}, None, "exceeds"),
-    ("completions", {"specd": {"draft_tokens": 99}}, None, "K=99"),
-    ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
-    ("completions", {"specd": {"trace": "yes"}}, "specd.trace", "true or false"),
-    ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
-    ("chat/completions", {"n": 3}, "n", "one choice"),
-    ("chat/completions", {"messages": []}, "messages", "non-empty"),
-    ("chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-     "messages[0].content", "no images"),
-])
+@pytest.mark.parametrize(
+    "path, fields, param, fragment",
+    [
+        ("completions", {"n": 2}, "n", "one choice per request"),
+        ("completions", {"best_of": 3}, "best_of", "one choice"),
+        ("completions", {"echo": True}, "echo", "not echoed"),
+        ("completions", {"logprobs": 5}, "logprobs", "log probabilities"),
+        ("completions", {"suffix": "}"}, "suffix", "suffix"),
+        ("completions", {"logit_bias": {"42": 5}}, "logit_bias", "logit_bias"),
+        ("completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
+        ("completions", {"frequency_penalty": 1}, "frequency_penalty", "penalties"),
+        ("completions", {"guided_json": {}}, "guided_json", "unknown field"),
+        ("completions", {"temperature": -1}, "temperature", ">= 0"),
+        ("completions", {"temperature": "hot"}, "temperature", "finite number"),
+        ("completions", {"top_p": 0}, "top_p", "(0, 1]"),
+        ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
+        ("completions", {"seed": -1}, "seed", "seed"),
+        ("completions", {"stop": 5}, "stop", "stop"),
+        ("completions", {"prompt": ["one", "two"]}, "prompt", "one request per prompt"),
+        ("completions", {"prompt": ""}, None, "empty"),
+        ("completions", {"max_tokens": 100_000}, None, "exceeds"),
+        ("completions", {"specd": {"draft_tokens": 99}}, None, "K=99"),
+        ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
+        ("completions", {"specd": {"trace": "yes"}}, "specd.trace", "true or false"),
+        ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
+        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
+        ("chat/completions", {"n": 3}, "n", "one choice"),
+        ("chat/completions", {"messages": []}, "messages", "non-empty"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            "messages[0].content",
+            "no images",
+        ),
+    ],
+)
 async def test_unsupported_fields_and_bad_values_answer_400(tiny_http, path, fields, param, fragment):
     _, base, model = tiny_http
     body = {"model": model, "max_tokens": 4}
@@ -194,9 +243,22 @@ async def test_unsupported_fields_and_bad_values_answer_400(tiny_http, path, fie
 
 async def test_defaults_and_nulls_are_accepted(tiny_http):
     _, base, model = tiny_http
-    status, text = await http("POST", f"{base}/v1/completions", {
-        "model": model, "prompt": PROMPT, "max_tokens": 3, "n": 1, "logprobs": None, "echo": False,
-        "presence_penalty": 0, "logit_bias": {}, "user": "someone", "stop": None})
+    status, text = await http(
+        "POST",
+        f"{base}/v1/completions",
+        {
+            "model": model,
+            "prompt": PROMPT,
+            "max_tokens": 3,
+            "n": 1,
+            "logprobs": None,
+            "echo": False,
+            "presence_penalty": 0,
+            "logit_bias": {},
+            "user": "someone",
+            "stop": None,
+        },
+    )
     assert status == 200, text
     assert json.loads(text)["usage"]["completion_tokens"] <= 3
     status, text = await http("POST", f"{base}/v1/completions", b"{not json")
@@ -224,21 +286,26 @@ async def test_metrics_agree_with_the_per_request_stats(tiny_http):
     stats = []
     for k, prompt in ((4, PROMPT), (2, "The capital of France is"), (6, "import numpy as np\n")):
         completion = await openai_client.completions.create(
-            model=model, prompt=prompt, max_tokens=14, temperature=0,
-            extra_body={"ignore_eos": True, "specd": {"draft_tokens": k}})
+            model=model,
+            prompt=prompt,
+            max_tokens=14,
+            temperature=0,
+            extra_body={"ignore_eos": True, "specd": {"draft_tokens": k}},
+        )
         stats.append(completion.model_extra["specd"])
     _, final = await grpc_generate(stack, 9, k=3, prompt=PROMPT)
     assert (await http("POST", f"{base}/v1/completions", {"prompt": PROMPT, "n": 2}))[0] == 400  # refused by parse
-    assert (await http("POST", f"{base}/v1/completions", {"prompt": ""}))[0] == 400  # refused by prepare
+    assert (await http("POST", f"{base}/v1/completions", {"prompt": ""}))[0] == 400  # refused by the core
     after = scrape((await http("GET", f"{base}/metrics"))[1])
 
     accepted = sum(s["accepted"] for s in stats) + final.stats.accepted
     assert delta(after, before, "specd_spec_decode_num_accepted_tokens_total") == accepted > 0
-    assert delta(after, before, "specd_spec_decode_num_draft_tokens_total") == \
-        sum(s["drafted"] for s in stats) + final.stats.drafted
+    assert (
+        delta(after, before, "specd_spec_decode_num_draft_tokens_total")
+        == sum(s["drafted"] for s in stats) + final.stats.drafted
+    )
     drafts = delta(after, before, "specd_spec_decode_num_drafts_total")
-    assert drafts >= sum(s["drafts"] for s in stats) + 1  # the gRPC Final does not carry drafts
-    assert drafts <= sum(s["drafts"] for s in stats) + final.stats.steps
+    assert drafts == sum(s["drafting_steps"] for s in stats) + final.stats.drafting_steps > 0
     per_position = [0] * 6
     for accepted_per_position in [s["accepted_per_position"] for s in stats] + [final.stats.accepted_per_position]:
         for position, count in enumerate(accepted_per_position):
@@ -280,21 +347,24 @@ async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_sta
     """The issue's acceptance test: the official client against the real pair, greedy == gRPC."""
     from specd.model.store import resolve_model
 
-    http_api = HttpApi(real_stack.orchestrator.servicer)
+    http_api = HttpApi(real_stack.orchestrator.core)
     port = await http_api.start("127.0.0.1", 0)
     try:
         base, model = f"http://127.0.0.1:{port}", http_api.api.model_name
         assert model == "qwen2.5-coder-1.5b-instruct"
         expected, _ = await grpc_generate(real_stack, 24, prompt=PROMPT)
-        completion = await client(base).completions.create(model=model, prompt=PROMPT, max_tokens=24, temperature=0,
-                                                           extra_body={"ignore_eos": True})
+        completion = await client(base).completions.create(
+            model=model, prompt=PROMPT, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert completion.choices[0].text == expected
         assert completion.model_extra["specd"]["acceptance_rate"] > 0.3
 
-        expected, _ = await grpc_generate(real_stack, 24, prompt_token_ids=chat_prompt_ids(resolve_model("target")),
-                                          ignore_eos=False)
-        stream = await client(base).chat.completions.create(model=model, messages=CHAT, max_tokens=24,
-                                                            temperature=0, stream=True)
+        expected, _ = await grpc_generate(
+            real_stack, 24, prompt_token_ids=chat_prompt_ids(resolve_model("target")), ignore_eos=False
+        )
+        stream = await client(base).chat.completions.create(
+            model=model, messages=CHAT, max_tokens=24, temperature=0, stream=True
+        )
         text = "".join([chunk.choices[0].delta.content or "" async for chunk in stream if chunk.choices])
         assert text and text == expected
     finally:
@@ -304,16 +374,35 @@ async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_sta
 def self_signed(folder) -> tuple[bytes, bytes]:
     """A certificate for 127.0.0.1 and its key (PEM), made by the openssl command."""
     key, cert = folder / "key.pem", folder / "cert.pem"
-    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",
-                    "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-subj",
+            "/CN=127.0.0.1",
+            "-addext",
+            "subjectAltName=IP:127.0.0.1",
+            "-keyout",
+            str(key),
+            "-out",
+            str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )
     return cert.read_bytes(), key.read_bytes()
 
 
 @pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 async def test_token_and_tls_guard_the_api_but_not_health(tiny_stack, tmp_path):
     cert, key = self_signed(tmp_path)
-    http_api = HttpApi(tiny_stack.orchestrator.servicer, token="s3cret", tls=(cert, key))
+    http_api = HttpApi(tiny_stack.orchestrator.core, token="s3cret", tls=(cert, key))
     port = await http_api.start("127.0.0.1", 0)
     trusted = ssl.create_default_context(cadata=cert.decode())
     try:
@@ -329,13 +418,36 @@ async def test_token_and_tls_guard_the_api_but_not_health(tiny_stack, tmp_path):
 
 def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
     """`specd up` as a user runs it (three processes): the printed addresses answer."""
-    ports = {flag: free_port() for flag in ("--port", "--draft-port", "--target-port", "--http-port", "--metrics-port",
-                                            "--draft-metrics-port", "--target-metrics-port")}
-    command = [sys.executable, "-m", "specd.cli", "up", "--dtype", "float32", "--workers", "1",
-               "--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"]),
-               *(str(item) for pair in ports.items() for item in pair)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               start_new_session=True)
+    ports = {
+        flag: free_port()
+        for flag in (
+            "--port",
+            "--draft-port",
+            "--target-port",
+            "--http-port",
+            "--metrics-port",
+            "--draft-metrics-port",
+            "--target-metrics-port",
+        )
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "specd.cli",
+        "up",
+        "--dtype",
+        "float32",
+        "--workers",
+        "1",
+        "--draft-model",
+        str(tiny_dirs["draft"]),
+        "--target-model",
+        str(tiny_dirs["target"]),
+        *(str(item) for pair in ports.items() for item in pair),
+    ]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
+    )
     try:
         lines = []
         for line in process.stdout:
@@ -347,8 +459,9 @@ def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
         assert base in printed, printed
         for flag in ("--metrics-port", "--draft-metrics-port", "--target-metrics-port"):
             assert f"http://127.0.0.1:{ports[flag]}/metrics" in printed
-        status, text = asyncio.run(http("POST", f"{base}/completions", {
-            "prompt": PROMPT, "max_tokens": 6, "temperature": 0}))
+        status, text = asyncio.run(
+            http("POST", f"{base}/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
+        )
         assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 6
         status, text = asyncio.run(http("GET", f"http://127.0.0.1:{ports['--metrics-port']}/metrics"))
         assert 'specd_requests_total{api="http",outcome=' in text
@@ -363,8 +476,11 @@ async def send_and_leave(port: int, path: str, body: dict, leave_after) -> None:
     """POST over a raw connection, wait for `leave_after(reader)`, then drop the connection."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     data = json.dumps(body).encode()
-    writer.write(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    writer.write(
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n".encode()
+        + data
+    )
     await writer.drain()
     await leave_after(reader)
     writer.close()
@@ -411,8 +527,9 @@ async def test_a_refused_request_gets_its_http_status_streamed_or_not(tiny_http)
     saved, pool.max_requests = pool.max_requests, 0
     try:
         for stream in (False, True):
-            status, text = await http("POST", f"{base}/v1/completions",
-                                      {"model": model, "prompt": PROMPT, "max_tokens": 2, "stream": stream})
+            status, text = await http(
+                "POST", f"{base}/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2, "stream": stream}
+            )
             error = json.loads(text)["error"]
             assert status == 429 and error["code"] == "RESOURCE_EXHAUSTED" and "limit" in error["message"]
         with pytest.raises(openai.RateLimitError):

@@ -12,7 +12,8 @@ PROMPTS = ["def quicksort(arr):", "The capital of France is", "import numpy as n
 
 def request(prompt: str, k: int | None, max_new_tokens: int = 24, **sampling) -> specdecode_pb2.GenerateRequest:
     message = specdecode_pb2.GenerateRequest(
-        prompt=prompt, max_new_tokens=max_new_tokens, sampling=common_pb2.SamplingParams(**sampling), ignore_eos=True)
+        prompt=prompt, max_new_tokens=max_new_tokens, sampling=common_pb2.SamplingParams(**sampling), ignore_eos=True
+    )
     if k is not None:
         message.draft_tokens = k
     return message
@@ -61,7 +62,7 @@ async def test_max_new_tokens_and_stop_strings(tiny_stack):
     tokens, text, final = await generate(tiny_stack.client, request(PROMPTS[1], 4, max_new_tokens=7))
     assert len(tokens) == 7 and final.finish_reason == "length" and final.usage.completion_tokens == 7
     _, full_text, _ = await generate(tiny_stack.client, request(PROMPTS[1], 4, max_new_tokens=24))
-    stop = full_text[len(full_text) // 2: len(full_text) // 2 + 3]
+    stop = full_text[len(full_text) // 2 : len(full_text) // 2 + 3]
     message = request(PROMPTS[1], 4, max_new_tokens=24)
     message.stop.append(stop)
     _, stopped_text, final = await generate(tiny_stack.client, message)
@@ -76,7 +77,12 @@ async def test_max_new_tokens_and_stop_strings(tiny_stack):
         (specdecode_pb2.GenerateRequest(prompt="hi " * 5000, max_new_tokens=4), "exceeds"),
         (specdecode_pb2.GenerateRequest(prompt="hi", max_new_tokens=0), "max_new_tokens"),
         (specdecode_pb2.GenerateRequest(prompt="hi", max_new_tokens=4, draft_tokens=99), "K=99"),
-        (specdecode_pb2.GenerateRequest(prompt="hi", max_new_tokens=4, sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (
+            specdecode_pb2.GenerateRequest(
+                prompt="hi", max_new_tokens=4, sampling=common_pb2.SamplingParams(temperature=-1)
+            ),
+            "temperature",
+        ),
         (specdecode_pb2.GenerateRequest(prompt_token_ids=[999_999], max_new_tokens=4), "vocabulary"),
     ],
 )
@@ -101,7 +107,7 @@ async def test_client_cancel_mid_stream_releases_both_sessions(tiny_stack):
     assert await tiny_stack.live_sessions() == (0, 0)
 
 
-async def test_lost_sessions_mid_request_are_resynced_and_output_stays_exact(tiny_stack):
+async def test_lost_sessions_mid_request_are_resynced_and_output_stays_exact(tiny_stack, tiny_loaded):
     baseline, _, _ = await generate(tiny_stack.client, request(PROMPTS[2], 0, max_new_tokens=40))
     services = tiny_stack.services
     target_port = services.target_server.port
@@ -113,14 +119,19 @@ async def test_lost_sessions_mid_request_are_resynced_and_output_stays_exact(tin
         tokens += reply.delta.token_ids
         steps += 1
         if steps == 2:  # the draft forgets every session (as after an eviction)
-            services.draft_server.thread.engine.store.sessions.clear()
+            services.draft_server.thread.service.store.sessions.clear()
         if steps == 4:  # the target process "restarts": a new server on the same port, empty caches
             await services.target_server.stop(0)
-            from specd.target_service.engine import TargetEngine
+            from specd.model.transformers_engine import TransformersEngine
             from specd.target_service.server import create_target_server
+            from specd.target_service.verifier import Verifier
 
-            engine = services.target_server.thread.engine
-            services.target_server = create_target_server(lambda: TargetEngine(engine.loaded, engine.limits))
+            limits = services.target_server.thread.service.limits
+
+            def restarted(limits=limits):
+                return Verifier(TransformersEngine(tiny_loaded["target"]), limits)
+
+            services.target_server = create_target_server(restarted)
             await services.target_server.start(f"127.0.0.1:{target_port}")
             await services.target_server.load()
     assert tokens == baseline

@@ -20,7 +20,9 @@ def _stub_files(folder: Path) -> set[str]:
 def test_committed_stubs_match_generated_ones(tmp_path):
     run = subprocess.run(
         ["bash", str(ROOT / "proto" / "generate.sh"), str(tmp_path)],
-        env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True,
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
     )
     assert run.returncode == 0, f"proto/generate.sh failed ({run.returncode}):\n{run.stdout}{run.stderr}"
     generated_dir = tmp_path / "specd" / "v1"
@@ -35,8 +37,12 @@ def test_committed_stubs_match_generated_ones(tmp_path):
             problems.append(f"proto/specd/v1/{relative} is missing")
         elif committed.read_bytes() != path.read_bytes():
             diff = difflib.unified_diff(
-                committed.read_text(errors="replace").splitlines(), path.read_text(errors="replace").splitlines(),
-                f"committed proto/specd/v1/{relative}", f"generated proto/specd/v1/{relative}", lineterm="", n=1,
+                committed.read_text(errors="replace").splitlines(),
+                path.read_text(errors="replace").splitlines(),
+                f"committed proto/specd/v1/{relative}",
+                f"generated proto/specd/v1/{relative}",
+                lineterm="",
+                n=1,
             )
             problems.append(f"proto/specd/v1/{relative} differs:\n" + "\n".join(list(diff)[:20]))
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from conftest import start_stack, stop_stack
+from test_orchestrator import PROMPTS, generate, request
 
 from specd.model.loading import load_model
 from specd.proto.limits import Limits
 from specd.v1 import common_pb2
-from conftest import start_stack, stop_stack
-from test_orchestrator import PROMPTS, generate, request
 
 
 async def expect_exact_and_adaptive(stack, max_new_tokens: int = 24) -> list:
@@ -44,7 +44,9 @@ async def test_a_fixed_k_overrides_the_chooser(tiny_stack):
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 async def test_quantized_draft_keeps_greedy_output_exact(tiny_dirs, tiny_loaded, ray_local, scheme):
     draft = load_model(str(tiny_dirs["draft"]), "float32", quantization=scheme)
-    quantized = [type(module.weight).__name__ for module in draft.model.modules() if isinstance(module, torch.nn.Linear)]
+    quantized = [
+        type(module.weight).__name__ for module in draft.model.modules() if isinstance(module, torch.nn.Linear)
+    ]
     assert any(name != "Parameter" for name in quantized), quantized  # torchao's tensors replaced the weights
     stack = await start_stack(draft, tiny_loaded["target"], Limits(max_sessions=8))
     try:

@@ -19,8 +19,10 @@ NEW_TOKENS = 24
 @pytest.fixture(scope="module")
 async def baselines(real_stack):
     """Speculation off: the target's own greedy output, per prompt."""
-    return {p: await complete(real_stack.client, make_request(p, NEW_TOKENS, draft_tokens=0, ignore_eos=True))
-            for p in PROMPTS}
+    return {
+        p: await complete(real_stack.client, make_request(p, NEW_TOKENS, draft_tokens=0, ignore_eos=True))
+        for p in PROMPTS
+    }
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, 8])
@@ -35,16 +37,19 @@ async def test_greedy_speculative_output_equals_speculation_off(real_stack, base
 
 
 async def test_three_concurrent_requests_stay_exact(real_stack, baselines):
-    results = await asyncio.gather(*(
-        complete(real_stack.client, make_request(p, NEW_TOKENS, draft_tokens=4, ignore_eos=True)) for p in PROMPTS))
+    results = await asyncio.gather(
+        *(complete(real_stack.client, make_request(p, NEW_TOKENS, draft_tokens=4, ignore_eos=True)) for p in PROMPTS)
+    )
     for prompt, result in zip(PROMPTS, results):
         assert result.token_ids == baselines[prompt].token_ids
 
 
 async def test_sampling_reproducible_by_seed(real_stack):
     def sampled(seed):
-        return complete(real_stack.client, make_request(PROMPTS[0], 16, temperature=0.9, seed=seed, draft_tokens=4,
-                                                        ignore_eos=True))
+        return complete(
+            real_stack.client, make_request(PROMPTS[0], 16, temperature=0.9, seed=seed, draft_tokens=4, ignore_eos=True)
+        )
+
     first, again, other = await sampled(1), await sampled(1), await sampled(2)
     assert first.token_ids == again.token_ids
     assert first.token_ids != other.token_ids

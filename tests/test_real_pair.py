@@ -6,10 +6,10 @@ Slow: the pair is loaded once per session (conftest's `real_float32`), the servi
 
 import pytest
 import torch
-
 from conftest import start_services
-from specd.proto.contract import fingerprint
+
 from specd.model.loading import tokenizer_fingerprint
+from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 pytestmark = pytest.mark.real
@@ -33,10 +33,14 @@ def greedy_reference(real_float32) -> dict[str, tuple[list[int], list[int]]]:
         ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
         with torch.inference_mode():
             output = loaded.model.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
-                max_new_tokens=NEW_TOKENS, pad_token_id=loaded.tokenizer.pad_token_id,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                num_beams=1,
+                max_new_tokens=NEW_TOKENS,
+                pad_token_id=loaded.tokenizer.pad_token_id,
             )
-        reference[prompt] = (ids[0].tolist(), output[0, ids.shape[1]:].tolist())
+        reference[prompt] = (ids[0].tolist(), output[0, ids.shape[1] :].tolist())
     return reference
 
 
@@ -115,17 +119,19 @@ async def speculate(services, session: str, prompt_ids: list[int], k: int, eos: 
     draft_held = target_held = len(committed) - 1  # leading committed tokens each service holds KV for
     steps = accepted_total = 0
     try:
-        while len(committed) - len(prompt_ids) < NEW_TOKENS and not eos & set(committed[len(prompt_ids):]):
+        while len(committed) - len(prompt_ids) < NEW_TOKENS and not eos & set(committed[len(prompt_ids) :]):
             old = len(committed)
-            proposal = await services.draft.Propose(draft_pb2.ProposeRequest(
-                cursor=_cursor(session, committed, draft_held), num_draft_tokens=k))
+            proposal = await services.draft.Propose(
+                draft_pb2.ProposeRequest(cursor=_cursor(session, committed, draft_held), num_draft_tokens=k)
+            )
             drafts = list(proposal.draft_tokens)
             assert len(drafts) == k and not proposal.q
             assert proposal.cached_tokens == old + k - 1  # committed + the first K-1 guesses
             draft_holds = (committed + drafts)[: proposal.cached_tokens]
 
-            verdict = await services.target.Verify(target_pb2.VerifyRequest(
-                cursor=_cursor(session, committed, target_held), draft_tokens=drafts))
+            verdict = await services.target.Verify(
+                target_pb2.VerifyRequest(cursor=_cursor(session, committed, target_held), draft_tokens=drafts)
+            )
             accepted, emitted = verdict.accepted, list(verdict.emitted_tokens)
             assert 0 <= accepted <= k and len(emitted) == accepted + 1
             assert emitted[:accepted] == drafts[:accepted]
@@ -140,7 +146,7 @@ async def speculate(services, session: str, prompt_ids: list[int], k: int, eos: 
     finally:
         for stub in (services.draft, services.target):
             await stub.Release(common_pb2.ReleaseRequest(session_id=session))
-    emitted = committed[len(prompt_ids):][:NEW_TOKENS]
+    emitted = committed[len(prompt_ids) :][:NEW_TOKENS]
     first_eos = next((i for i, token in enumerate(emitted) if token in eos), None)
     return (emitted if first_eos is None else emitted[: first_eos + 1]), steps, accepted_total
 

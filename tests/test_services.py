@@ -5,11 +5,11 @@ import asyncio
 import grpc
 import numpy as np
 import pytest
+from conftest import start_services
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from conftest import start_services
 from specd.proto.contract import HELD_TOKENS_KEY, fingerprint
 from specd.proto.limits import Limits
 from specd.v1 import common_pb2, draft_pb2, target_pb2
@@ -39,7 +39,7 @@ async def target_greedy(services, tokens: list[int], n: int, session: str = "ref
         reply = await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor(session, committed, start)))
         committed += reply.emitted_tokens
     await services.target.Release(common_pb2.ReleaseRequest(session_id=session))
-    return committed[len(tokens):]
+    return committed[len(tokens) :]
 
 
 async def verify(services, session, committed, start, drafts, **extra):
@@ -124,10 +124,20 @@ async def test_same_call_twice_gives_same_answer_and_cache(tiny_services):
         answers = []
         for _ in range(2):  # e.g. a retry after a lost reply
             if request_sampling.temperature:
-                proposal = await tiny_services.draft.Propose(draft_pb2.ProposeRequest(
-                    cursor=cursor("retry-d", PROMPT, 0), num_draft_tokens=3, sampling=request_sampling))
-                reply = await verify(tiny_services, "retry", PROMPT, len(PROMPT) - 1, list(proposal.draft_tokens),
-                                     q=proposal.q, sampling=request_sampling)
+                proposal = await tiny_services.draft.Propose(
+                    draft_pb2.ProposeRequest(
+                        cursor=cursor("retry-d", PROMPT, 0), num_draft_tokens=3, sampling=request_sampling
+                    )
+                )
+                reply = await verify(
+                    tiny_services,
+                    "retry",
+                    PROMPT,
+                    len(PROMPT) - 1,
+                    list(proposal.draft_tokens),
+                    q=proposal.q,
+                    sampling=request_sampling,
+                )
             else:
                 reply = await verify(tiny_services, "retry", PROMPT, len(PROMPT) - 1, drafts)
             answers.append((reply.accepted, list(reply.emitted_tokens), reply.cached_tokens))
@@ -138,9 +148,7 @@ async def test_same_call_twice_gives_same_answer_and_cache(tiny_services):
 
 async def test_stale_start_is_failed_precondition_saying_what_is_held(tiny_services):
     await prefill(tiny_services.target, "stale", PROMPT[:4])
-    error = await expect_status(
-        grpc.StatusCode.FAILED_PRECONDITION, verify(tiny_services, "stale", PROMPT, 6, [1, 2])
-    )
+    error = await expect_status(grpc.StatusCode.FAILED_PRECONDITION, verify(tiny_services, "stale", PROMPT, 6, [1, 2]))
     held = dict(error.trailing_metadata())[HELD_TOKENS_KEY]
     assert held == "4" and "holds 4 tokens" in error.details()
     # The caller resends from what the service holds and carries on.
@@ -152,8 +160,10 @@ async def test_wrong_fingerprint_is_refused_and_leaves_the_session_intact(tiny_s
     await prefill(tiny_services.target, "fp", PROMPT[:-1])
     bad = cursor("fp", PROMPT, len(PROMPT) - 1)
     bad.fingerprint ^= 1
-    await expect_status(grpc.StatusCode.FAILED_PRECONDITION,
-                        tiny_services.target.Verify(target_pb2.VerifyRequest(cursor=bad, draft_tokens=[5])))
+    await expect_status(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        tiny_services.target.Verify(target_pb2.VerifyRequest(cursor=bad, draft_tokens=[5])),
+    )
     reply = await verify(tiny_services, "fp", PROMPT, len(PROMPT) - 1, [5])
     assert reply.cached_tokens in (len(PROMPT), len(PROMPT) + 1)
 
@@ -163,8 +173,12 @@ async def test_unknown_and_released_sessions_are_not_found(tiny_services):
     await prefill(tiny_services.draft, "gone", PROMPT)
     released = await tiny_services.draft.Release(common_pb2.ReleaseRequest(session_id="gone"))
     assert released.released
-    await expect_status(grpc.StatusCode.NOT_FOUND, tiny_services.draft.Propose(
-        draft_pb2.ProposeRequest(cursor=cursor("gone", PROMPT, len(PROMPT) - 1), num_draft_tokens=2)))
+    await expect_status(
+        grpc.StatusCode.NOT_FOUND,
+        tiny_services.draft.Propose(
+            draft_pb2.ProposeRequest(cursor=cursor("gone", PROMPT, len(PROMPT) - 1), num_draft_tokens=2)
+        ),
+    )
 
 
 async def test_idle_sessions_are_evicted(tiny_loaded):
@@ -180,8 +194,9 @@ async def test_idle_sessions_are_evicted(tiny_loaded):
 
 
 async def test_full_service_is_resource_exhausted(tiny_loaded):
-    services = await start_services(tiny_loaded["draft"], tiny_loaded["target"],
-                                    Limits(max_sessions=2, max_cached_tokens=20))
+    services = await start_services(
+        tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=2, max_cached_tokens=20)
+    )
     try:
         await prefill(services.target, "a", PROMPT)
         await prefill(services.target, "b", PROMPT)
@@ -197,23 +212,27 @@ async def test_full_service_is_resource_exhausted(tiny_loaded):
 
 async def test_greedy_proposal_is_the_drafts_own_greedy_continuation(tiny_services):
     await prefill(tiny_services.draft, "p", PROMPT[:-1])
-    reply = await tiny_services.draft.Propose(draft_pb2.ProposeRequest(
-        cursor=cursor("p", PROMPT, len(PROMPT) - 1), num_draft_tokens=4))
+    reply = await tiny_services.draft.Propose(
+        draft_pb2.ProposeRequest(cursor=cursor("p", PROMPT, len(PROMPT) - 1), num_draft_tokens=4)
+    )
     assert len(reply.draft_tokens) == 4 and not reply.q
     assert reply.cached_tokens == len(PROMPT) + 3  # the last guess needs no KV
     # One at a time gives the same tokens: each K=1 proposal continues from the previous guess.
     committed = list(PROMPT)
     for _ in range(4):
-        step = await tiny_services.draft.Propose(draft_pb2.ProposeRequest(
-            cursor=cursor("p", committed, len(committed) - 1), num_draft_tokens=1))
+        step = await tiny_services.draft.Propose(
+            draft_pb2.ProposeRequest(cursor=cursor("p", committed, len(committed) - 1), num_draft_tokens=1)
+        )
         committed += step.draft_tokens
-    assert committed[len(PROMPT):] == list(reply.draft_tokens)
+    assert committed[len(PROMPT) :] == list(reply.draft_tokens)
 
 
 async def test_sampled_proposal_returns_q_rows_it_sampled_from(tiny_services):
     sampling = common_pb2.SamplingParams(temperature=1.0, top_k=50, seed=11)
     await prefill(tiny_services.draft, "q", PROMPT[:-1])
-    request = draft_pb2.ProposeRequest(cursor=cursor("q", PROMPT, len(PROMPT) - 1), num_draft_tokens=3, sampling=sampling)
+    request = draft_pb2.ProposeRequest(
+        cursor=cursor("q", PROMPT, len(PROMPT) - 1), num_draft_tokens=3, sampling=sampling
+    )
     first, again = await tiny_services.draft.Propose(request), await tiny_services.draft.Propose(request)
     assert list(first.draft_tokens) == list(again.draft_tokens)
     assert len(first.q) == 3
@@ -223,24 +242,58 @@ async def test_sampled_proposal_returns_q_rows_it_sampled_from(tiny_services):
         assert token in row.token_ids
     # The target accepts or rejects them with the rule and always emits at least one token.
     await prefill(tiny_services.target, "q", PROMPT[:-1])
-    reply = await verify(tiny_services, "q", PROMPT, len(PROMPT) - 1, list(first.draft_tokens), q=first.q, sampling=sampling)
+    reply = await verify(
+        tiny_services, "q", PROMPT, len(PROMPT) - 1, list(first.draft_tokens), q=first.q, sampling=sampling
+    )
     assert len(reply.emitted_tokens) == reply.accepted + 1
 
 
 @pytest.mark.parametrize(
     "make_call, fragment",
     [
-        (lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 7), num_draft_tokens=0)), "K=0"),
-        (lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 7), num_draft_tokens=99)), "K=99"),
-        (lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 8), num_draft_tokens=2)), "at least"),
-        (lambda s: s.target.Verify(target_pb2.VerifyRequest(cursor=cursor("bad", PROMPT, 7), draft_tokens=[10**6])), "vocabulary"),
+        (
+            lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 7), num_draft_tokens=0)),
+            "K=0",
+        ),
+        (
+            lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 7), num_draft_tokens=99)),
+            "K=99",
+        ),
+        (
+            lambda s: s.draft.Propose(draft_pb2.ProposeRequest(cursor=cursor("bad", PROMPT, 8), num_draft_tokens=2)),
+            "at least",
+        ),
+        (
+            lambda s: s.target.Verify(target_pb2.VerifyRequest(cursor=cursor("bad", PROMPT, 7), draft_tokens=[10**6])),
+            "vocabulary",
+        ),
         (lambda s: s.target.Prefill(common_pb2.PrefillRequest(cursor=cursor("bad2", [151_936], 0))), "vocabulary"),
-        (lambda s: s.target.Decode(target_pb2.DecodeRequest(cursor=cursor("bad", PROMPT, 7),
-                                                            sampling=common_pb2.SamplingParams(temperature=-1))), "temperature"),
-        (lambda s: s.target.Decode(target_pb2.DecodeRequest(cursor=cursor("bad", PROMPT, 7),
-                                                            sampling=common_pb2.SamplingParams(temperature=1, top_p=1.5))), "top_p"),
-        (lambda s: s.target.Verify(target_pb2.VerifyRequest(cursor=cursor("bad", PROMPT, 7), draft_tokens=[1, 2],
-                                                            sampling=common_pb2.SamplingParams(temperature=1))), "q row"),
+        (
+            lambda s: s.target.Decode(
+                target_pb2.DecodeRequest(
+                    cursor=cursor("bad", PROMPT, 7), sampling=common_pb2.SamplingParams(temperature=-1)
+                )
+            ),
+            "temperature",
+        ),
+        (
+            lambda s: s.target.Decode(
+                target_pb2.DecodeRequest(
+                    cursor=cursor("bad", PROMPT, 7), sampling=common_pb2.SamplingParams(temperature=1, top_p=1.5)
+                )
+            ),
+            "top_p",
+        ),
+        (
+            lambda s: s.target.Verify(
+                target_pb2.VerifyRequest(
+                    cursor=cursor("bad", PROMPT, 7),
+                    draft_tokens=[1, 2],
+                    sampling=common_pb2.SamplingParams(temperature=1),
+                )
+            ),
+            "q row",
+        ),
         (lambda s: s.target.Prefill(common_pb2.PrefillRequest(cursor=cursor("", PROMPT, 0))), "session_id"),
     ],
 )
@@ -255,6 +308,10 @@ async def test_bad_input_is_invalid_argument(tiny_services, make_call, fragment)
 
 async def test_expired_deadline_is_deadline_exceeded(tiny_services):
     await prefill(tiny_services.target, "late", PROMPT[:-1])
-    error = await expect_status(grpc.StatusCode.DEADLINE_EXCEEDED, tiny_services.target.Decode(
-        target_pb2.DecodeRequest(cursor=cursor("late", PROMPT, len(PROMPT) - 1)), timeout=1e-6))
+    error = await expect_status(
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        tiny_services.target.Decode(
+            target_pb2.DecodeRequest(cursor=cursor("late", PROMPT, len(PROMPT) - 1)), timeout=1e-6
+        ),
+    )
     assert error is not None

@@ -20,8 +20,13 @@ from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
-PROMPTS = ["def quicksort(arr):", "The capital of France is", "import numpy as np\n\ndef softmax(x):",
-           "# Parse an ISO 8601 date\n", "SELECT name FROM users WHERE"]
+PROMPTS = [
+    "def quicksort(arr):",
+    "The capital of France is",
+    "import numpy as np\n\ndef softmax(x):",
+    "# Parse an ISO 8601 date\n",
+    "SELECT name FROM users WHERE",
+]
 REQUESTS, CONCURRENCY, WARM_UP = 200, 8, 60
 
 
@@ -32,9 +37,28 @@ async def process_stack(tiny_dirs, ray_local, tmp_path_factory):
     for role in ("draft", "target"):
         port = free_port()
         processes[role] = subprocess.Popen(
-            [sys.executable, "-m", "specd.cli", "serve", role, "--model", str(tiny_dirs[role]), "--dtype", "float32",
-             "--threads", "1", "--port", str(port), "--no-metrics", "--max-sessions", "32"],
-            stdout=open(logs / f"{role}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+            [
+                sys.executable,
+                "-m",
+                "specd.cli",
+                "serve",
+                role,
+                "--model",
+                str(tiny_dirs[role]),
+                "--dtype",
+                "float32",
+                "--threads",
+                "1",
+                "--port",
+                str(port),
+                "--no-metrics",
+                "--max-sessions",
+                "32",
+            ],
+            stdout=open(logs / f"{role}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         addresses[role] = f"127.0.0.1:{port}"
     orchestrator = None
     try:
@@ -55,8 +79,11 @@ async def process_stack(tiny_dirs, ray_local, tmp_path_factory):
 async def one_request(client, rng: random.Random) -> str:
     """'done', 'cancelled', or the status code name of an error."""
     message = specdecode_pb2.GenerateRequest(
-        prompt=rng.choice(PROMPTS), max_new_tokens=rng.randint(8, 24), draft_tokens=rng.choice([0, 2, 4, 6]),
-        sampling=common_pb2.SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 1000)))
+        prompt=rng.choice(PROMPTS),
+        max_new_tokens=rng.randint(8, 24),
+        draft_tokens=rng.choice([0, 2, 4, 6]),
+        sampling=common_pb2.SamplingParams(temperature=rng.choice([0.0, 0.8]), seed=rng.randint(0, 1000)),
+    )
     cancel_after = rng.randint(1, 3) if rng.random() < 0.25 else None
     call = client.Generate(message, timeout=120)
     deltas = 0
@@ -115,11 +142,15 @@ async def test_soak_200_requests_with_cancels_no_errors_no_leaks_flat_memory(pro
     seconds = time.monotonic() - started
     live = await drained(addresses)
     after = rss_mib(processes)
-    print(f"\nsoak: {REQUESTS} requests at concurrency {CONCURRENCY} in {seconds:.1f} s: {outcomes}; "
-          f"live sessions after (draft, target) = {live}")
+    print(
+        f"\nsoak: {REQUESTS} requests at concurrency {CONCURRENCY} in {seconds:.1f} s: {outcomes}; "
+        f"live sessions after (draft, target) = {live}"
+    )
     for role in before:
-        print(f"soak: {role} RSS {before[role]:.1f} MiB after warm-up -> {after[role]:.1f} MiB after the soak "
-              f"({(after[role] / before[role] - 1) * 100:+.1f} %)")
+        print(
+            f"soak: {role} RSS {before[role]:.1f} MiB after warm-up -> {after[role]:.1f} MiB after the soak "
+            f"({(after[role] / before[role] - 1) * 100:+.1f} %)"
+        )
     assert set(outcomes) <= {"done", "cancelled"}, outcomes
     assert sum(outcomes.values()) == REQUESTS and outcomes.get("cancelled", 0) > 0
     assert live == (0, 0)

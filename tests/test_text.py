@@ -19,7 +19,7 @@ def tokenizer() -> Tokenizer:
 def test_streamed_text_equals_whole_decode_whatever_the_chunking(tokenizer, text, chunk):
     ids = tokenizer.encode(text, add_special_tokens=False).ids
     output = OutputText(tokenizer)
-    pieces = [output.add(ids[i:i + chunk]) for i in range(0, len(ids), chunk)] + [output.finish()]
+    pieces = [output.add(ids[i : i + chunk]) for i in range(0, len(ids), chunk)] + [output.finish()]
     assert "".join(pieces) == tokenizer.decode(ids) == text
     assert all("\ufffd" not in piece for piece in pieces)  # no half characters ever printed
 

@@ -8,10 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from specd.model.acceptance import accept_draft
-from specd.model.batch import start_pass
-from specd.model.engine import Engine, check_continuation, check_sampling, open_each, single
+from specd.model.engine import Row
 from specd.model.errors import EngineError, InvalidRequest
 from specd.model.sampling import Sampling, densify, probs_from_logits
+from specd.model.service import ModelService, check_continuation, check_sampling, open_each, single
 from specd.model.sessions import Cursor, Session
 
 
@@ -36,7 +36,7 @@ class Verification:
     cached_tokens: int  # session length after the rollback
 
 
-class TargetEngine(Engine):
+class Verifier(ModelService):
     role = "target"
 
     def verify(self, call: VerifyCall) -> Verification:
@@ -45,15 +45,13 @@ class TargetEngine(Engine):
     def verify_batch(self, calls: list[VerifyCall]) -> list[Verification | EngineError]:
         """One forward pass over every call's committed tail + drafts, then each call's rule and rollback."""
         results, ready = open_each(calls, self._open)
-        if ready:
-            forward = start_pass(self.store, [session for _, _, (session, _) in ready])
-            logits = forward.extend(
-                [call.cursor.tokens + call.draft_tokens for _, call, _ in ready],
-                [len(call.draft_tokens) + 1 for _, call, _ in ready],
-            )
-            forward.write_back()
-            for (index, call, (session, q)), rows in zip(ready, logits):
-                results[index] = self._judge(call, session, q, rows)
+        rows = [
+            Row(call.cursor.session_id, call.cursor.tokens + call.draft_tokens, len(call.draft_tokens) + 1)
+            for _, call, _ in ready
+        ]
+        logits = self.store.forward(rows) if rows else []
+        for (index, call, (session, q)), call_logits in zip(ready, logits):
+            results[index] = self._judge(call, session, q, call_logits)
         return results
 
     def _open(self, call: VerifyCall):
@@ -79,7 +77,7 @@ class TargetEngine(Engine):
         k = len(draft_tokens)
         if len(q_rows) != k:
             raise InvalidRequest(f"sampling needs one q row per draft token: got {len(q_rows)} for K={k}")
-        vocab = self.loaded.vocab_size
+        vocab = self.engine.description.vocab_size
         rows = []
         for token_ids, probs in q_rows:
             if token_ids.numel() != probs.numel() or token_ids.numel() == 0:

@@ -8,12 +8,12 @@ from dataclasses import dataclass
 
 import torch
 
-from specd.proto.contract import Stream
-from specd.model.batch import start_pass
-from specd.model.engine import Engine, check_continuation, check_sampling, open_each, single
+from specd.model.engine import Row
 from specd.model.errors import EngineError
 from specd.model.sampling import Sampling, draw, probs_from_logits, prune_q
+from specd.model.service import ModelService, check_continuation, check_sampling, open_each, single
 from specd.model.sessions import Cursor
+from specd.proto.contract import Stream
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Proposal:
     cached_tokens: int  # session length after the call: committed + first K-1 guesses
 
 
-class DraftEngine(Engine):
+class Drafter(ModelService):
     role = "draft"
 
     def propose(self, call: ProposeCall) -> Proposal:
@@ -42,22 +42,7 @@ class DraftEngine(Engine):
 
     def propose_batch(self, calls: list[ProposeCall]) -> list[Proposal | EngineError]:
         results, ready = open_each(calls, self._open)
-        if not ready:
-            return results
-        calls = [call for _, call, _ in ready]
-        proposals = [Proposal([], [], 0) for _ in calls]
-        forward = start_pass(self.store, [session for _, _, session in ready])
-        logits = forward.extend([call.cursor.tokens for call in calls], [1] * len(calls))
-        for step in range(max(call.k for call in calls)):
-            for call, proposal, rows in zip(calls, proposals, logits):
-                if step < call.k:
-                    self._guess(call, proposal, rows[-1])
-            # the next pass feeds back each guess but a row's last: the next call rolls back anyway
-            feed = [[proposal.draft_tokens[-1]] if step + 1 < call.k else [] for call, proposal in zip(calls, proposals)]
-            if not any(feed):
-                break
-            logits = forward.extend(feed, [len(tokens) for tokens in feed])
-        forward.write_back()
+        proposals = self._draft([call for _, call, _ in ready]) if ready else []
         for (index, _, session), proposal in zip(ready, proposals):
             proposal.cached_tokens = len(session.tokens)
             results[index] = proposal
@@ -68,6 +53,21 @@ class DraftEngine(Engine):
         self.check_draft_length(call.k)
         check_sampling(call.sampling)
         return self.store.sync(call.cursor, extra_tokens=call.k - 1)
+
+    def _draft(self, calls: list[ProposeCall]) -> list[Proposal]:
+        """One pass per guessed position over every session: the first feeds the committed tail,
+        each next one the previous guess (but a row's last guess: the next call rolls back anyway)."""
+        session_ids = [call.cursor.session_id for call in calls]
+        proposals = [Proposal([], [], 0) for _ in calls]
+        feed = [call.cursor.tokens for call in calls]
+        with self.engine.passes(session_ids):
+            for step in range(max(call.k for call in calls)):
+                rows = [Row(session_id, tokens, min(len(tokens), 1)) for session_id, tokens in zip(session_ids, feed)]
+                for call, proposal, logits in zip(calls, proposals, self.store.forward(rows)):
+                    if step < call.k:
+                        self._guess(call, proposal, logits[-1])
+                feed = [[guess.draft_tokens[-1]] if step + 1 < call.k else [] for call, guess in zip(calls, proposals)]
+        return proposals
 
     @staticmethod
     def _guess(call: ProposeCall, proposal: Proposal, logits: torch.Tensor) -> None:

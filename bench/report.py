@@ -1,0 +1,410 @@
+"""The peer benchmark's figures: the maths, the JSON report, the tables and the plot.
+
+Pure bookkeeping over finished runs (no torch, no model, no network): `build_report` takes, for
+each system of SYSTEMS, one run per prompt (anything with `token_ids`, `seconds` and, for the
+specd systems, `stats`, specd's SpeculationStats as a dict: `specd.bench.systems.Run`) and
+returns the report `specd bench` prints, writes and plots. Running the systems is
+`specd.bench.systems`.
+
+Figures (docs/architecture.md §2 words): tokens/s = total tokens / total seconds over the prompts;
+α = accepted / drafted and mean accepted length = 1 + accepted / steps, from specd's final
+stats; c = median over prompts of specd_spec's draft seconds per drafted token / median of
+specd_target's seconds per decode step (both include their gRPC round trip); the analytic
+best speed-up = max over K = 1..8 of (1 - α^(K+1)) / ((1 - α)(K·c + 1)); the achievable best
+uses the measured Verify time of each K instead of one step; greedy_match = both specd outputs
+equal hf_target's token ids on every prompt. Per prompt the report also has the K of every
+step (adaptive K over time; 0 = target-only), α and c, and the per-prompt ratios whose
+medians are `median_ratios`.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specd.bench.systems import BenchSettings, Run
+
+SYSTEMS = ("hf_target", "hf_assisted", "specd_target", "specd_spec")
+LABELS = {
+    "hf_target": "HF target only",
+    "hf_assisted": "HF assisted (assistant_model)",
+    "specd_target": "specd, K = 0 (target only)",
+    "specd_spec": "specd speculative",
+}
+ANALYTIC_MAX_K = 8
+PROMPT_RATIOS = ("specd_spec/hf_assisted", "specd_spec/specd_target", "specd_spec/hf_target", "hf_assisted/hf_target")
+
+
+# ---------------------------------------------------------------- maths
+
+
+def expected_speedup(alpha: float, c: float, k: int) -> float:
+    """(1 - α^(K+1)) / ((1 - α)(K·c + 1)): the textbook speed-up, verifying K + 1 tokens at the price of one."""
+    from specd.orchestrator.adaptive import expected_tokens
+
+    return expected_tokens(alpha, k) / (k * c + 1)
+
+
+def analytic_best(alpha: float | None, c: float | None, max_k: int = ANALYTIC_MAX_K) -> tuple[float | None, int | None]:
+    """The best expected speed-up over K = 1..max_k for this α and c, and the K that gives it."""
+    if alpha is None or c is None:
+        return None, None
+    best_k = max(range(1, max_k + 1), key=lambda k: expected_speedup(alpha, c, k))
+    return expected_speedup(alpha, c, best_k), best_k
+
+
+def measured_costs(spec_stats: list[dict], target_stats: list[dict]) -> dict:
+    """Seconds inside the services, medians over all steps: a target-only step, a drafted token,
+    and a Verify by K (the K the orchestrator chose), from each step's own times."""
+    steps = [
+        (k, draft, verify)
+        for s in spec_stats
+        for k, draft, verify in zip(
+            s.get("draft_lengths", []), s.get("step_draft_seconds", []), s.get("step_verify_seconds", [])
+        )
+    ]
+    decode = [t for s in target_stats for t in s.get("step_verify_seconds", [])]
+    verify_by_k: dict[int, list[float]] = {}
+    for k, _, verify in steps:
+        verify_by_k.setdefault(k, []).append(verify)
+    return {
+        "target_step_s": _median(decode),
+        "draft_token_s": _median([draft / k for k, draft, _ in steps if k]),
+        "verify_s_by_k": {k: statistics.median(times) for k, times in sorted(verify_by_k.items()) if k},
+    }
+
+
+def achievable_best(alpha: float | None, costs: dict) -> tuple[float | None, int | None]:
+    """The best expected speed-up over target-only with the *measured* verify cost of each K used
+    (the textbook assumes t_verify(K) = one step; on a CPU it is not), K = 0 included."""
+    step, draft = costs["target_step_s"], costs["draft_token_s"]
+    if alpha is None or not step or draft is None:
+        return None, None
+    from specd.orchestrator.adaptive import expected_tokens
+
+    speedups = {
+        0: 1.0,
+        **{k: expected_tokens(alpha, k) * step / (k * draft + verify) for k, verify in costs["verify_s_by_k"].items()},
+    }
+    k = max(speedups, key=speedups.get)
+    return speedups[k], k
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length), None when equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+# ---------------------------------------------------------------- the report
+
+
+def build_report(
+    settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids: list[list[int]], extra_settings: dict | None = None
+) -> dict:
+    """The JSON report from the runs of each system (one Run per prompt, in prompt order).
+
+    `prompt_ids`: each prompt's token ids; `extra_settings`: more entries for report["settings"]
+    (how the runs were made: machine, dtype served, order, ...).
+    """
+    results = {}
+    for system in SYSTEMS:
+        tokens = sum(run.tokens for run in runs[system])
+        seconds = sum(run.seconds for run in runs[system])
+        results[system] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
+    speed = {system: results[system]["tokens_per_s"] for system in SYSTEMS}
+    ratios = {
+        "specd_spec/hf_assisted": _ratio(speed["specd_spec"], speed["hf_assisted"]),
+        "specd_spec/hf_target": _ratio(speed["specd_spec"], speed["hf_target"]),
+        "specd_spec/specd_target": _ratio(speed["specd_spec"], speed["specd_target"]),
+        "hf_assisted/hf_target": _ratio(speed["hf_assisted"], speed["hf_target"]),
+        "specd_target/hf_target": _ratio(speed["specd_target"], speed["hf_target"]),
+    }
+    spec_stats = [run.stats for run in runs["specd_spec"]]
+    drafted = sum(s["drafted"] for s in spec_stats)
+    accepted = sum(s["accepted"] for s in spec_stats)
+    steps = sum(s["steps"] for s in spec_stats)
+    alpha = accepted / drafted if drafted else None
+    draft_per_token = [s["draft_seconds"] / s["drafted"] for s in spec_stats if s["drafted"]]
+    target_step = [s["verify_seconds"] / s["steps"] for s in (run.stats for run in runs["specd_target"]) if s["steps"]]
+    median_draft, median_target = _median(draft_per_token), _median(target_step)
+    c = _ratio(median_draft, median_target)
+    best, best_k = analytic_best(alpha, c)
+    per_prompt = [_prompt_entry(i, settings, runs, prompt_ids[i]) for i in range(len(settings.prompts))]
+    lengths = [k for s in spec_stats for k in s.get("draft_lengths", [])]
+    costs = measured_costs(spec_stats, [run.stats for run in runs["specd_target"]])
+    achievable = achievable_best(alpha, costs)
+    return {
+        "results": results,
+        "ratios": ratios,
+        "median_ratios": {
+            name: _median([r for entry in per_prompt if (r := entry["ratios"][name]) is not None])
+            for name in PROMPT_RATIOS
+        },
+        "speedup_of_analytic_best": _ratio(ratios["specd_spec/specd_target"], best),
+        "measured_costs": costs,
+        "achievable_speedup": achievable[0],
+        "achievable_best_k": achievable[1],
+        "speedup_of_achievable_best": _ratio(ratios["specd_spec/specd_target"], achievable[0]),
+        "speculation_off_share": lengths.count(0) / len(lengths) if lengths else None,
+        "alpha": alpha,
+        "c": c,
+        "mean_accepted_length": 1 + accepted / steps if steps else None,
+        "analytic_speedup": best,
+        "analytic_best_k": best_k,
+        "analytic_speedup_at_k": (
+            expected_speedup(alpha, c, settings.draft_tokens) if None not in (alpha, c, settings.draft_tokens) else None
+        ),
+        "median_draft_seconds_per_token": median_draft,
+        "median_target_step_seconds": median_target,
+        "acceptance_by_position": _acceptance_by_position(spec_stats),
+        "greedy_match": all(
+            entry["matches_hf_target"]["specd_target"] and entry["matches_hf_target"]["specd_spec"]
+            for entry in per_prompt
+        ),
+        "hf_assisted_match": all(entry["matches_hf_target"]["hf_assisted"] for entry in per_prompt),
+        "per_prompt": per_prompt,
+        "settings": {
+            "prompts": len(settings.prompts),
+            "prompts_file": settings.prompts_file,
+            "quick": settings.quick,
+            "max_new_tokens": settings.max_new_tokens,
+            "draft_tokens": settings.draft_tokens,
+            "dtype": settings.dtype,
+            "threads": settings.threads,
+            "draft_model": settings.draft_model,
+            "target_model": settings.target_model,
+            "batch_size": 1,
+            "greedy": True,
+            "ignore_eos": True,
+            **(extra_settings or {}),
+        },
+    }
+
+
+def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids: list[int]) -> dict:
+    reference = runs["hf_target"][index].token_ids
+    spec = runs["specd_spec"][index].stats
+    off = runs["specd_target"][index].stats
+    entry = {
+        "index": index,
+        "kind": settings.kinds[index] if index < len(settings.kinds) else "",
+        "prompt": settings.prompts[index],
+        "prompt_tokens": len(prompt_ids),
+        "tokens_per_s": {
+            s: runs[s][index].tokens / runs[s][index].seconds if runs[s][index].seconds else None for s in SYSTEMS
+        },
+        "seconds": {s: runs[s][index].seconds for s in SYSTEMS},
+        "tokens": {s: runs[s][index].tokens for s in SYSTEMS},
+        "matches_hf_target": {s: runs[s][index].token_ids == reference for s in SYSTEMS if s != "hf_target"},
+        "first_difference": {
+            s: first_difference(runs[s][index].token_ids, reference) for s in SYSTEMS if s != "hf_target"
+        },
+        "ratios": {
+            name: _ratio(*(runs[s][index].tokens / runs[s][index].seconds for s in name.split("/")))
+            for name in PROMPT_RATIOS
+        },
+        "alpha": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
+        "c": _ratio(_ratio(spec["draft_seconds"], spec["drafted"]), _ratio(off["verify_seconds"], off["steps"])),
+        "mean_accepted_length": 1 + spec["accepted"] / spec["steps"] if spec["steps"] else None,
+        "draft_lengths": spec.get("draft_lengths", []),  # K of each step: adaptive K over time (0: target-only)
+        "specd_spec_stats": {
+            key: spec[key]
+            for key in (
+                "steps",
+                "drafted",
+                "accepted",
+                "accepted_per_position",
+                "draft_seconds",
+                "verify_seconds",
+                "other_seconds",
+            )
+        },
+        "specd_target_stats": {key: off[key] for key in ("steps", "verify_seconds", "other_seconds")},
+        "hf_target_token_ids": reference,
+    }
+    return entry
+
+
+def _acceptance_by_position(stats: list[dict]) -> list[float]:
+    """For draft position i: steps whose guess i was accepted / steps that drafted a guess i."""
+    from types import SimpleNamespace
+
+    from specd.bench.loadtest import acceptance_by_position
+
+    return acceptance_by_position([SimpleNamespace(**s) for s in stats])
+
+
+# ---------------------------------------------------------------- tables and plot
+
+
+def summary_tables(report: dict) -> list:
+    """Rich tables: the four systems, the speculation figures, and one row per prompt."""
+    from rich.table import Table
+
+    results, ratios = report["results"], report["ratios"]
+    base = results["hf_target"]["tokens_per_s"]
+    settings = report["settings"]
+    systems = Table(
+        title=f"specd bench: {settings['prompts']} prompts × {settings['max_new_tokens']} "
+        f"tokens, batch 1, greedy, {settings.get('dtype')}"
+    )
+    for name in ("system", "what", "tokens", "seconds", "tokens/s", "vs hf_target"):
+        systems.add_column(name, justify="left" if name in ("system", "what") else "right")
+    for system in SYSTEMS:
+        result = results[system]
+        systems.add_row(
+            system,
+            LABELS[system],
+            str(result["tokens"]),
+            f"{result['seconds']:.2f}",
+            _num(result["tokens_per_s"], 2),
+            _times(_ratio(result["tokens_per_s"], base)),
+        )
+
+    figures = Table(title="speculation", show_header=False)
+    k = "auto" if settings["draft_tokens"] is None else settings["draft_tokens"]
+    medians = report["median_ratios"]
+    off = report["speculation_off_share"]
+    rows = [
+        ("specd_spec / hf_assisted", _times(ratios["specd_spec/hf_assisted"])),
+        ("  median over prompts", _times(medians["specd_spec/hf_assisted"])),
+        ("specd_spec / hf_target", _times(ratios["specd_spec/hf_target"])),
+        ("specd_spec / specd_target", _times(ratios["specd_spec/specd_target"])),
+        ("hf_assisted / hf_target", _times(ratios["hf_assisted/hf_target"])),
+        (f"acceptance rate α (K = {k})", _num(report["alpha"], 3)),
+        ("mean accepted length", _num(report["mean_accepted_length"], 2)),
+        ("acceptance by draft position", " ".join(f"{r:.2f}" for r in report["acceptance_by_position"]) or "-"),
+        (
+            "draft s/token, target s/step (medians)",
+            f"{_num(report['median_draft_seconds_per_token'], 4)} / {_num(report['median_target_step_seconds'], 4)}",
+        ),
+        ("c = draft token / target step", _num(report["c"], 3)),
+        (f"analytic speed-up at K = {k}", _times(report["analytic_speedup_at_k"])),
+        (
+            "analytic best speed-up (K = 1..8)",
+            f"{_times(report['analytic_speedup'])} at K = {report['analytic_best_k']}"
+            if report["analytic_best_k"]
+            else "-",
+        ),
+        ("specd_spec / specd_target, of the analytic best", _num(report["speedup_of_analytic_best"], 2)),
+        (
+            "best with the measured t_verify(K)",
+            f"{_times(report['achievable_speedup'])} at K = {report['achievable_best_k']}"
+            if report["achievable_best_k"] is not None
+            else "-",
+        ),
+        ("specd_spec / specd_target, of that", _num(report["speedup_of_achievable_best"], 2)),
+        ("t_verify(K) / target step (measured)", _verify_curve(report["measured_costs"])),
+        ("steps target-only (K chosen 0)", "-" if off is None else f"{off:.0%}"),
+        ("greedy_match (specd == hf_target)", "yes" if report["greedy_match"] else "NO"),
+        ("hf_assisted == hf_target", "yes" if report["hf_assisted_match"] else "no"),
+    ]
+    for name, value in rows:
+        figures.add_row(name, value)
+
+    prompts = Table(title="per prompt (tokens/s)")
+    for name in ("#", "kind", "prompt", *SYSTEMS, "α", "mean K", "spec/target", "match"):
+        prompts.add_column(
+            name,
+            justify="left" if name in ("kind", "prompt") else "right",
+            no_wrap=name != "prompt",
+            max_width=24 if name == "prompt" else None,
+        )
+    for entry in report["per_prompt"]:
+        speed = entry["tokens_per_s"]
+        matches = entry["matches_hf_target"]
+        match = (
+            "yes"
+            if matches["specd_target"] and matches["specd_spec"]
+            else (
+                "no @"
+                + ",".join(str(entry["first_difference"][s]) for s in ("specd_target", "specd_spec") if not matches[s])
+            )
+        )
+        prompts.add_row(
+            str(entry["index"]),
+            entry["kind"],
+            _short(entry["prompt"]),
+            *(_num(speed[s], 2) for s in SYSTEMS),
+            _num(entry["alpha"], 2),
+            _mean_k(entry["draft_lengths"]),
+            _times(_ratio(speed["specd_spec"], speed["specd_target"])),
+            match,
+        )
+    return [systems, figures, prompts]
+
+
+def save_plot(report: dict, path: Path | str) -> None:
+    """Three panels: tokens/s per system (bars), acceptance by draft position, and K over time per prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (speed, acceptance, lengths) = plt.subplots(1, 3, figsize=(19, 4.5))
+    values = [report["results"][s]["tokens_per_s"] or 0.0 for s in SYSTEMS]
+    bars = speed.bar(range(len(SYSTEMS)), values, color=["#888888", "#bbbbbb", "#4c72b0", "#dd8452"])
+    speed.bar_label(bars, fmt="%.2f")
+    speed.set_xticks(range(len(SYSTEMS)), SYSTEMS)
+    settings = report["settings"]
+    speed.set(
+        ylabel="tokens/s",
+        title=f"throughput ({settings['prompts']} prompts × {settings['max_new_tokens']} "
+        f"tokens, batch 1, greedy, {settings.get('dtype')})",
+    )
+    speed.grid(alpha=0.3, axis="y")
+    rates = report["acceptance_by_position"]
+    if rates:
+        acceptance.bar(range(1, len(rates) + 1), rates, color="#dd8452")
+    acceptance.set(
+        xlabel="draft position",
+        ylabel="accepted / steps",
+        title=f"acceptance by draft position (α = {_num(report['alpha'], 2)}, "
+        f"K = {settings['draft_tokens'] or 'auto'})",
+        xticks=range(1, max(len(rates), 1) + 1),
+    )
+    acceptance.set_ylim(0, 1.05)
+    acceptance.grid(alpha=0.3, axis="y")
+    for entry in report["per_prompt"]:
+        lengths.step(range(1, len(entry["draft_lengths"]) + 1), entry["draft_lengths"], where="post", alpha=0.6)
+    lengths.set(xlabel="step", ylabel="K (0 = target-only)", title="draft length K chosen, one line per prompt")
+    lengths.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _verify_curve(costs: dict) -> str:
+    step = costs["target_step_s"]
+    if not step:
+        return "-"
+    return " ".join(f"K={k}: {seconds / step:.2f}" for k, seconds in costs["verify_s_by_k"].items()) or "-"
+
+
+def _mean_k(lengths: list[int]) -> str:
+    return f"{sum(lengths) / len(lengths):.1f}" if lengths else "-"
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
+def _short(text: str, width: int = 24) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"

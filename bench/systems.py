@@ -1,0 +1,310 @@
+"""The peer benchmark (`specd bench`): specd against Hugging Face `generate` on the same prompts
+and settings. This module runs the systems; `specd.bench.report` turns the runs into the
+figures, tables and plot.
+
+Four systems, batch 1, greedy, every one producing exactly max_new_tokens tokens (EOS is
+ignored by all four: HF's models get a generation config without an eos_token_id, specd's
+requests ask for `ignore_eos`):
+
+- `hf_target`    transformers `target.generate(do_sample=False)`, in this process;
+- `hf_assisted`  `target.generate(assistant_model=draft)`, greedy, transformers' own
+                 assistant schedule (its defaults), in this process;
+- `specd_target` specd with speculation off (K = 0) through the gRPC services and the Ray
+                 orchestrator (a LocalStack: three processes, or --server);
+- `specd_spec`   specd speculative: K chosen every step (adaptive, the default), or a fixed
+                 K = draft_tokens; its draft as the service loads it (int4 on a CPU by default).
+
+Runs are interleaved per prompt (A B C D, A B C D, ...) so slow drift of the machine falls
+on all four alike, and each system is warmed up once on a short prompt before timing.
+Every system gets the same prompt token ids (the tokenizer's, without special tokens, as
+the orchestrator tokenizes text); specd is timed on the client, from sending the request to
+the end of its stream, so gRPC and orchestration count against it.
+
+torch, transformers and gRPC are imported where they are used, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specd.bench.report import SYSTEMS, build_report
+
+QUICK_PROMPTS = 4
+QUICK_TOKENS = 32
+DEFAULT_TOKENS = 64
+WARMUP_PROMPT = "def add(a, b):\n"
+
+# called after each timed run with a label such as "prompt 3/24 specd_spec"
+Advance = Callable[[str], None]
+
+
+@dataclass
+class BenchSettings:
+    """What to run: the prompts, the pair and how to serve it (the report copies these)."""
+
+    prompts: list[str]
+    kinds: list[str] = field(default_factory=list)  # one per prompt ("" when unknown)
+    max_new_tokens: int = DEFAULT_TOKENS
+    draft_tokens: int | None = None  # None: adaptive (the orchestrator chooses K every step)
+    draft_quantize: str | None = None  # the draft service's --quantize (None: its default)
+    dtype: str | None = None  # None: load_model's default for this machine
+    threads: int | None = None
+    draft_model: str = "draft"
+    target_model: str = "target"
+    server: str | None = None  # a running orchestrator instead of a LocalStack
+    timeout: float = 600.0  # seconds per specd request
+    prompts_file: str | None = None
+    quick: bool = False
+
+
+@dataclass
+class Run:
+    """One system on one prompt."""
+
+    token_ids: list[int]
+    seconds: float
+    stats: dict | None = None  # specd's SpeculationStats as a dict
+
+    @property
+    def tokens(self) -> int:
+        return len(self.token_ids)
+
+
+def load_prompts(path: Path | str) -> tuple[list[str], list[str]]:
+    """Prompts and their kinds from a JSON-lines file of {"prompt": ..., "kind": ...} (loadtest's format)."""
+    import json
+
+    from specd.bench.loadtest import load_prompts as checked_prompts
+
+    prompts = checked_prompts(path)  # raises loadtest.PromptsError with a line number on bad input
+    kinds = [str(json.loads(line).get("kind", "")) for line in Path(path).read_text().splitlines() if line.strip()]
+    return prompts, kinds
+
+
+# ---------------------------------------------------------------- the systems
+
+
+class HFSystems:
+    """hf_target and hf_assisted: transformers `generate` on models loaded in this process."""
+
+    def __init__(self, draft, target):
+        from transformers import GenerationConfig
+
+        self.draft, self.target = draft, target
+        # A clean generation config: greedy, no repetition penalty or sampling defaults a model
+        # directory may carry, and no eos_token_id, so generation never stops early (EOS ignored).
+        # It has to replace the models' own config during generate(): generate() fills every
+        # unset (None) field of the one passed in from the model's, eos_token_id included.
+        pad = target.tokenizer.pad_token_id
+        pad = pad if pad is not None else (target.eos_token_ids or [0])[0]
+        self.config = GenerationConfig(pad_token_id=pad)
+        self.assistant_defaults = _assistant_defaults(self.config)
+
+    def encode(self, prompt: str) -> list[int]:
+        return list(self.target.tokenizer(prompt, add_special_tokens=False).input_ids)
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, assisted: bool) -> Run:
+        import torch
+        from transformers.utils import logging as hf_logging
+
+        ids = torch.tensor([prompt_ids])
+        extra = {"assistant_model": self.draft.model} if assisted else {}
+        models = (self.target.model, self.draft.model)
+        saved = [model.generation_config for model in models]
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()  # assisted generate warns about its own internal call
+        try:
+            for model in models:  # restored below: the models may be shared (in-process services)
+                model.generation_config = copy.deepcopy(self.config)
+            with torch.inference_mode():
+                started = time.perf_counter()
+                output = self.target.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, **extra
+                )
+                seconds = time.perf_counter() - started
+        finally:
+            hf_logging.set_verbosity(verbosity)
+            for model, config in zip(models, saved):
+                model.generation_config = config
+        return Run(output[0, len(prompt_ids) :].tolist(), seconds)
+
+
+def _assistant_defaults(config) -> dict:
+    """The assisted-generation settings generate() will use (unset fields take transformers' defaults)."""
+    try:
+        defaults = config._get_default_generation_params()
+    except AttributeError:  # older transformers keep the defaults on the config itself
+        defaults = {}
+    names = ("num_assistant_tokens", "num_assistant_tokens_schedule", "assistant_confidence_threshold")
+    return {
+        name: getattr(config, name, None) if getattr(config, name, None) is not None else defaults.get(name)
+        for name in names
+    }
+
+
+class SpecdSystems:
+    """specd_target and specd_spec: Generate calls to an orchestrator over gRPC."""
+
+    def __init__(self, stub, timeout: float):
+        self.stub, self.timeout = stub, timeout
+
+    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None) -> Run:
+        from google.protobuf.json_format import MessageToDict
+
+        from specd.proto.client import complete
+        from specd.v1 import common_pb2, specdecode_pb2
+
+        request = specdecode_pb2.GenerateRequest(
+            prompt_token_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            draft_tokens=draft_tokens,
+            ignore_eos=True,
+            sampling=common_pb2.SamplingParams(temperature=0.0),
+        )  # None: unset, the server's K
+        completion = await complete(self.stub, request, timeout=self.timeout)
+        seconds = time.perf_counter() - completion.started
+        if completion.final is None:
+            raise RuntimeError("the orchestrator ended the stream without a final message")
+        stats = MessageToDict(
+            completion.final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
+        )
+        return Run(completion.token_ids, seconds, stats)
+
+
+# ---------------------------------------------------------------- the run
+
+
+async def run_bench(
+    settings: BenchSettings,
+    advance: Advance | None = None,
+    say: Callable[[str], None] = print,
+    models: tuple | None = None,
+) -> dict:
+    """Start what is needed, run the interleaved benchmark, return the report (`report.build_report`).
+
+    `models`: an already loaded (draft, target) pair of LoadedModel to use for the HF systems
+    (default: load settings.draft_model / target_model in settings.dtype here).
+    """
+    from specd.model.loading import default_dtype, load_model
+
+    dtype = settings.dtype or default_dtype()
+    environment = {"load_average_before": _load_average()}
+    stack = None
+    try:
+        address = settings.server
+        if address is None:
+            from specd.deploy.local import LocalStack, StackConfig
+
+            stack = LocalStack(
+                StackConfig(
+                    dtype=dtype,
+                    threads=settings.threads,
+                    draft_model=settings.draft_model,
+                    target_model=settings.target_model,
+                    workers=1,
+                    draft_quantize=settings.draft_quantize,
+                ),
+                say=say,
+            )
+            await stack.start()
+            address = stack.address
+        if models is None:
+            say(f"loading the HF baselines ({settings.draft_model}, {settings.target_model}) in {dtype}")
+            models = (
+                load_model(settings.draft_model, dtype, settings.threads),
+                load_model(settings.target_model, dtype, settings.threads),
+            )
+        hf = HFSystems(*models)
+        runs = await _run_all(settings, hf, address, advance, say)
+        server_info = runs.pop("server_info")
+    finally:
+        if stack:
+            stack.stop()
+    environment["load_average_after"] = _load_average()
+    return build_report(
+        settings,
+        runs,
+        [hf.encode(p) for p in settings.prompts],
+        {
+            "order": "interleaved per prompt: " + " ".join(SYSTEMS),
+            "warmup": f"each system once on {WARMUP_PROMPT!r}",
+            "timing": "HF: generate() wall time in process; specd: client wall time of the Generate stream",
+            "dtype": str(models[1].dtype).removeprefix("torch."),
+            "server": settings.server,
+            "server_info": server_info,
+            "hf_assisted_generation": hf.assistant_defaults,
+            **environment,
+            **_machine(),
+        },
+    )
+
+
+async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance: Advance | None, say) -> dict:
+    from specd.bench.loadtest import _server_info
+    from specd.proto.client import channel
+    from specd.v1 import specdecode_pb2_grpc
+
+    n, k = settings.max_new_tokens, settings.draft_tokens
+    runs: dict = {system: [] for system in SYSTEMS}
+    async with channel(address) as open_channel:
+        stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
+        specd = SpecdSystems(stub, settings.timeout)
+        runs["server_info"] = info = await _server_info(stub, settings.timeout)
+        hf_dtype = str(hf.target.dtype).removeprefix("torch.")
+        if info and info["dtype"] and info["dtype"] != hf_dtype:
+            say(
+                f"warning: the orchestrator serves {info['dtype']}, the HF baselines run in {hf_dtype}: "
+                "speeds and greedy_match compare unlike things"
+            )
+        systems = {
+            "hf_target": lambda ids, tokens: _sync(hf.run(ids, tokens, assisted=False)),
+            "hf_assisted": lambda ids, tokens: _sync(hf.run(ids, tokens, assisted=True)),
+            "specd_target": lambda ids, tokens: specd.run(ids, tokens, 0),
+            "specd_spec": lambda ids, tokens: specd.run(ids, tokens, k),
+        }
+        say("warming up each system once")
+        warmup_ids = hf.encode(WARMUP_PROMPT)
+        for system in SYSTEMS:
+            await systems[system](warmup_ids, min(n, 8))
+        for index, prompt in enumerate(settings.prompts):
+            prompt_ids = hf.encode(prompt)
+            for system in SYSTEMS:  # interleaved: A B C D on each prompt
+                runs[system].append(await systems[system](prompt_ids, n))
+                if advance:
+                    advance(f"prompt {index + 1}/{len(settings.prompts)} {system}")
+    return runs
+
+
+async def _sync(value):
+    return value
+
+
+def _load_average() -> list[float] | None:
+    try:
+        return [round(value, 2) for value in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def _machine() -> dict:
+    import torch
+    import transformers
+
+    from specd.model.loading import _cpu_flags
+
+    flags = _cpu_flags()
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.is_available(),
+        "machine": platform.machine(),
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
+    }

@@ -1,0 +1,18 @@
+"""A model service of either role, ready to start: what `specd serve draft|target` and the
+cluster's service actors both run. The model packages are imported only here, when a service is
+built, so deploy/ itself stays torch-free (docs/architecture.md §1)."""
+
+from specd.proto.limits import Limits
+
+
+def model_server(role: str, model: str, dtype: str | None, threads: int | None, quantize: str, limits: Limits):
+    """A ModelServer for `role` ("draft" or "target"): start() binds it; load() loads the engine."""
+    from specd.model.loading import load_engine
+
+    if role == "draft":
+        from specd.draft_service.drafter import Drafter as service
+        from specd.draft_service.server import create_draft_server as create_server
+    else:
+        from specd.target_service.server import create_target_server as create_server
+        from specd.target_service.verifier import Verifier as service
+    return create_server(lambda: service(load_engine(role, model, dtype, threads, quantize), limits))

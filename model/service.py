@@ -1,0 +1,87 @@
+"""What the draft and target services share, whatever the engine: an engine, its sessions, the
+limits, and the request checks both sides make (docs/architecture.md §5). No gRPC here: the
+servicers in draft_service/ and target_service/ translate messages and call these methods.
+"""
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TypeVar
+
+from specd.model.engine import Engine, Row
+from specd.model.errors import EngineError, InvalidRequest
+from specd.model.sampling import Sampling
+from specd.model.sessions import Cursor, SessionStore
+from specd.proto.limits import Limits
+
+
+class ModelService:
+    """An engine plus its sessions. Every method runs on the service's single model thread."""
+
+    role = "?"
+
+    def __init__(self, engine: Engine, limits: Limits):
+        if limits.max_session_tokens > engine.description.max_positions:
+            limits = replace(limits, max_session_tokens=engine.description.max_positions)
+        self.engine = engine
+        self.limits = limits
+        self.store = SessionStore(engine, limits)
+
+    def prefill(self, cursor: Cursor) -> int:
+        """Open or resync a session and cache cursor.tokens; returns the cached length."""
+        session = self.store.open(cursor)
+        self.store.forward([Row(cursor.session_id, cursor.tokens)])
+        return len(session.tokens)
+
+    def release(self, session_id: str) -> bool:
+        return self.store.release(session_id)
+
+    def evict_idle(self) -> list[str]:
+        return self.store.evict_idle()
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return self.engine.tokenizer_files()
+
+    def check_draft_length(self, k: int) -> None:
+        if not 1 <= k <= self.limits.max_draft_tokens:
+            raise InvalidRequest(f"draft length K={k} is outside 1..{self.limits.max_draft_tokens}")
+
+
+def check_sampling(sampling: Sampling) -> None:
+    """Reject sampling settings no distribution matches (docs/architecture.md §5)."""
+    if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
+        raise InvalidRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+    if not 0 < sampling.top_p <= 1:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {sampling.top_p}")
+    if sampling.top_k < 0:
+        raise InvalidRequest(f"top_k must be >= 0, got {sampling.top_k}")
+
+
+def check_continuation(cursor: Cursor) -> None:
+    if not cursor.tokens:
+        raise InvalidRequest("the cursor must carry at least the last committed token")
+
+
+Call = TypeVar("Call")
+Opened = TypeVar("Opened")
+
+
+def open_each(calls: list[Call], open_call: Callable[[Call], Opened]):
+    """Check and sync every call of a batch; a refused call gets its error, the others go on.
+
+    Returns (results with the errors filled in, [(index, call, opened)] for the calls to run).
+    """
+    results: list = [None] * len(calls)
+    ready = []
+    for index, call in enumerate(calls):
+        try:
+            ready.append((index, call, open_call(call)))
+        except EngineError as error:
+            results[index] = error
+    return results, ready
+
+
+def single(results: list):
+    """The one result of a batch of one, raised if it is an error."""
+    if isinstance(results[0], EngineError):
+        raise results[0]
+    return results[0]

@@ -1,0 +1,177 @@
+"""What the orchestrator does for a request, whatever the transport: both APIs go through here.
+
+The gRPC servicer (server.py) and the OpenAI-compatible HTTP API (openai_api.py) only translate:
+their request into a specd.v1 GenerateRequest, and the events and stats back. This module owns
+the rest, once: the served pair's facts, validating and tokenizing a request (docs/architecture.md
+§5), running it on the worker pool with its metrics, and the one serialisation of a request's
+speculation stats. So both APIs check, limit and answer alike (greedy output over HTTP equals
+greedy output over gRPC).
+"""
+
+import time
+from dataclasses import dataclass
+
+from tokenizers import Tokenizer
+
+from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+from specd.orchestrator.generation import GenerationRequest, Stats
+from specd.orchestrator.metrics import OrchestratorMetrics
+from specd.orchestrator.remote import ServicePair
+from specd.orchestrator.worker import WorkerPool
+from specd.v1 import specdecode_pb2
+
+# SpeculationStats fields that grow with the output (per step): the HTTP API sends them only on `trace`.
+STEP_FIELDS = ("step_draft_seconds", "step_verify_seconds")
+
+
+class BadRequest(Exception):
+    """INVALID_ARGUMENT (HTTP 400), with a message the client can act on."""
+
+
+@dataclass
+class Core:
+    pair: ServicePair  # the connected draft and target, their Info and the target's tokenizer
+    pool: WorkerPool
+    default_draft_tokens: int | None = None  # K when a request leaves it unset; None: adaptive
+    metrics: OrchestratorMetrics | None = None
+    max_prompt_tokens: int | None = None  # longest prompt accepted; None = what a session holds
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest adaptive K (and no more than the services take)
+
+    def __post_init__(self):
+        self.metrics = self.metrics or OrchestratorMetrics()
+        self.max_draft_tokens = min(self.max_draft_tokens, self.services_max_k)
+
+    # -- the served pair ---------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        """The target's name as its service reports it (ModelInfo.model)."""
+        return self.pair.target_info.model
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.pair.tokenizer
+
+    @property
+    def tokenizer_config(self) -> dict:
+        """The target's tokenizer_config.json, with its chat template."""
+        return self.pair.tokenizer_config
+
+    @property
+    def room(self) -> int:
+        """The longest session both services take (prompt + output)."""
+        return min(self.pair.target_info.max_session_tokens, self.pair.draft_info.max_session_tokens)
+
+    @property
+    def services_max_k(self) -> int:
+        return min(self.pair.draft_info.max_draft_tokens, self.pair.target_info.max_draft_tokens)
+
+    def info(self) -> specdecode_pb2.OrchestratorInfo:
+        return specdecode_pb2.OrchestratorInfo(
+            draft=self.pair.draft_info,
+            target=self.pair.target_info,
+            default_draft_tokens=self.default_draft_tokens or 0,
+            workers=len(self.pool.actors),
+            adaptive_draft_tokens=self.default_draft_tokens is None,
+            max_draft_tokens=self.max_draft_tokens,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def start(self, message: specdecode_pb2.GenerateRequest, api: str, time_remaining: float | None = None):
+        """Check and tokenize `message`, then run it: Delta events, then Finished or Failed.
+
+        Raises BadRequest (counted as refused under `api`) before anything runs.
+        """
+        try:
+            request = self.prepare(message, time_remaining)
+        except BadRequest:
+            self.metrics.rejected(api)
+            raise
+        return self.metrics.track(api, self.pool.generate(request))
+
+    def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
+        """A request an API refused before it reached start() (it could not even be parsed)."""
+        self.metrics.rejected(api, outcome)
+
+    def prepare(self, message: specdecode_pb2.GenerateRequest, time_remaining: float | None) -> GenerationRequest:
+        """Check the request against docs/architecture.md §5 and the served pair; tokenize the prompt."""
+        prompt_ids = list(message.prompt_token_ids)
+        if message.prompt:
+            prompt_ids = self.tokenizer.encode(message.prompt, add_special_tokens=False).ids
+        if not prompt_ids:
+            raise BadRequest("the prompt is empty: send `prompt` text or `prompt_token_ids`")
+        vocab_size = self.pair.target_info.vocab_size
+        if max(prompt_ids) >= vocab_size:
+            raise BadRequest(f"prompt token id {max(prompt_ids)} is outside the vocabulary of {vocab_size}")
+        if self.max_prompt_tokens is not None and len(prompt_ids) > self.max_prompt_tokens:
+            raise BadRequest(
+                f"the prompt has {len(prompt_ids)} tokens, this server accepts at most "
+                f"{self.max_prompt_tokens} (--max-prompt-tokens); shorten it"
+            )
+        if message.max_new_tokens < 1:
+            raise BadRequest("max_new_tokens must be at least 1")
+        if len(prompt_ids) + message.max_new_tokens > self.room:
+            raise BadRequest(
+                f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({message.max_new_tokens}) exceeds the "
+                f"{self.room} tokens a session may hold; shorten the prompt or ask for fewer tokens"
+            )
+        sampling = message.sampling
+        if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
+            raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+        if not 0 <= sampling.top_p <= 1:
+            raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}")
+        k = message.draft_tokens if message.HasField("draft_tokens") else self.default_draft_tokens
+        if k is not None and k > self.services_max_k:
+            raise BadRequest(
+                f"draft_tokens K={k} is above the largest the services accept ({self.services_max_k}); "
+                f"0 turns speculation off"
+            )
+        return GenerationRequest(
+            prompt_ids=prompt_ids,
+            max_new_tokens=message.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p or 1.0,
+            top_k=sampling.top_k,
+            seed=sampling.seed,
+            stop=list(message.stop),
+            draft_tokens=k,
+            max_draft_tokens=self.max_draft_tokens,
+            ignore_eos=message.ignore_eos,
+            deadline=None if time_remaining is None else time.time() + time_remaining,
+        )
+
+
+# -- the one stats serialisation ---------------------------------------------------------------
+
+
+def stats_dict(stats: Stats, steps: bool = True) -> dict:
+    """A request's speculation stats named as SpeculationStats' fields (specdecode.proto), for both
+    APIs; `steps=False` leaves out the per-step lists (STEP_FIELDS)."""
+    answer = {
+        "draft_tokens": stats.draft_tokens,
+        "adaptive": stats.adaptive,
+        "steps": stats.steps,
+        "drafting_steps": stats.drafting_steps,
+        "drafted": stats.drafted,
+        "accepted": stats.accepted,
+        "acceptance_rate": stats.acceptance_rate,
+        "mean_accepted_length": stats.mean_accepted_length,
+        "accepted_per_position": list(stats.accepted_per_position),
+        "draft_lengths": list(stats.draft_lengths),
+        "draft_seconds": stats.draft_seconds,
+        "verify_seconds": stats.verify_seconds,
+        "network_seconds": stats.network_seconds,
+        "other_seconds": stats.other_seconds,
+        "tokens_per_s": stats.tokens_per_s,
+        "time_to_first_token_s": stats.time_to_first_token_s,
+        "resyncs": stats.resyncs,
+    }
+    if steps:
+        answer["step_draft_seconds"] = [draft for draft, _, _ in stats.step_seconds]
+        answer["step_verify_seconds"] = [verify for _, verify, _ in stats.step_seconds]
+    return answer
+
+
+def stats_proto(stats: Stats) -> specdecode_pb2.SpeculationStats:
+    return specdecode_pb2.SpeculationStats(**stats_dict(stats))

@@ -1,0 +1,83 @@
+"""Message translation the draft and target servicers share: protobuf to and from the model
+package's types, and engine errors to status codes with what the session holds
+(docs/architecture.md §5).
+"""
+
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import torch
+
+from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
+from specd.model.sampling import Sampling
+from specd.model.scheduler import Scheduler
+from specd.model.service import ModelService
+from specd.model.sessions import Cursor
+from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY
+from specd.v1 import common_pb2, draft_pb2
+
+STATUS_OF = {
+    InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT,
+    SessionNotFound: grpc.StatusCode.NOT_FOUND,
+    CursorMismatch: grpc.StatusCode.FAILED_PRECONDITION,
+    CapacityExceeded: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
+async def abort_with(context: grpc.aio.ServicerContext, error: EngineError) -> None:
+    """End the call with the error's status code; a cursor mismatch also says what the session holds."""
+    held = ()
+    if isinstance(error, CursorMismatch):
+        held = ((HELD_TOKENS_KEY, str(error.held_tokens)), (HELD_FINGERPRINT_KEY, str(error.held_fingerprint)))
+    await context.abort(STATUS_OF[type(error)], str(error), held)
+
+
+async def parsed(context: grpc.aio.ServicerContext, parse: Callable, *args):
+    """parse(*args) on the event loop (message checks that need no model); refusals leave as status codes."""
+    try:
+        return parse(*args)
+    except EngineError as error:
+        await abort_with(context, error)
+
+
+def cursor_from_proto(cursor: common_pb2.SessionCursor) -> Cursor:
+    return Cursor(cursor.session_id, cursor.start, cursor.fingerprint, list(cursor.tokens))
+
+
+def sampling_from_proto(sampling: common_pb2.SamplingParams) -> Sampling:
+    return Sampling(sampling.temperature, sampling.top_p or 1.0, sampling.top_k, sampling.seed)
+
+
+def q_row_to_proto(token_ids: torch.Tensor, probs: torch.Tensor) -> draft_pb2.SparseDistribution:
+    return draft_pb2.SparseDistribution(token_ids=token_ids.tolist(), probs=probs.numpy().astype("<f4").tobytes())
+
+
+def q_row_from_proto(row: draft_pb2.SparseDistribution) -> tuple[torch.Tensor, torch.Tensor]:
+    if len(row.probs) % 4:
+        raise InvalidRequest("q probs must be little-endian float32 (a multiple of 4 bytes)")
+    probs = torch.from_numpy(np.frombuffer(row.probs, dtype="<f4").copy())
+    return torch.tensor(list(row.token_ids), dtype=torch.long), probs
+
+
+def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelInfo:
+    described, limits = service.engine.description, service.limits
+    return common_pb2.ModelInfo(
+        model=described.name,
+        role=service.role,
+        vocab_size=described.vocab_size,
+        tokenizer_fingerprint=described.tokenizer_fingerprint,
+        dtype=described.dtype,
+        max_session_tokens=limits.max_session_tokens,
+        max_sessions=limits.max_sessions,
+        max_cached_tokens=limits.max_cached_tokens,
+        max_draft_tokens=limits.max_draft_tokens,
+        eos_token_ids=described.eos_token_ids,
+        live_sessions=len(service.store.sessions),
+        cached_tokens=service.store.cached_tokens,
+        max_batch_size=limits.max_batch_size,
+        max_batch_tokens=limits.max_batch_tokens,
+        batch_sizes=dict(scheduler.batch_sizes),
+        queued_calls=scheduler.queue_depth,
+        quantization=described.quantization,
+    )

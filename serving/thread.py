@@ -1,0 +1,83 @@
+"""The model thread: the one thread that runs a model service's calls, behind the scheduler that
+batches concurrent ones (model/scheduler.py). It owns the loaded service and its draining
+state; refusals leave as status codes (serving/messages.py).
+"""
+
+import asyncio
+import math
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+
+from specd.model.errors import EngineError
+from specd.model.scheduler import Abandoned, Bounds, Job, Scheduler
+from specd.model.service import ModelService
+from specd.serving.messages import abort_with, model_info
+from specd.v1 import common_pb2
+
+
+class ModelThread:
+    def __init__(self):
+        self.scheduler = Scheduler()
+        self.service: ModelService | None = None  # None while the model loads
+        self.draining = False
+
+    async def load(self, load_service: Callable[[], ModelService]) -> ModelService:
+        self.service = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_service()])))
+        limits = self.service.limits
+        self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens, limits.batch_wait_ms / 1000)
+        return self.service
+
+    async def run(self, method: Callable, *args):
+        """Run method(service, *args) with no RPC attached (housekeeping)."""
+        return await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [method(self.service, *args)])))
+
+    async def info(self, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
+        """Answered on the event loop: Info must not wait behind a Verify."""
+        if self.service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1")
+        return model_info(self.service, self.scheduler)
+
+    async def call(self, context: grpc.aio.ServicerContext, method: Callable, *args):
+        """Run method(service, *args) alone for an RPC; errors leave as status codes."""
+        return await self._submit(context, Job(lambda _: [method(self.service, *args)]))
+
+    async def batch(self, context: grpc.aio.ServicerContext, batch_method: Callable, call):
+        """Run batch_method(service, [call, ...]) for an RPC, sharing the pass with waiting calls."""
+        run = lambda calls: batch_method(self.service, calls)  # noqa: E731
+        job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=call.cursor.session_id)
+        return await self._submit(context, job)
+
+    async def _submit(self, context: grpc.aio.ServicerContext, job: Job):
+        if self.service is None or self.draining:
+            state = "still loading" if self.service is None else "shutting down"
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model is {state}; watch grpc.health.v1")
+        job.abandoned = _abandoned_check(context)
+        try:
+            return await asyncio.wrap_future(self.scheduler.submit(job))
+        except EngineError as error:
+            await abort_with(context, error)
+        except Abandoned as abandoned:
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(abandoned))
+
+    def shutdown(self) -> None:
+        self.scheduler.close()
+
+
+def _abandoned_check(context: grpc.aio.ServicerContext) -> Callable[[], str | None]:
+    """Why a queued call should be skipped when the model thread reaches it, if it should."""
+    finished = threading.Event()
+    context.add_done_callback(lambda _: finished.set())
+    remaining = context.time_remaining()
+    deadline = math.inf if remaining is None else time.monotonic() + remaining
+
+    def abandoned() -> str | None:
+        if finished.is_set():
+            return "the call ended before the model thread reached it"
+        if time.monotonic() > deadline:
+            return "the deadline passed while the call waited for the model thread"
+        return None
+
+    return abandoned

@@ -1,0 +1,71 @@
+"""The architecture holds by construction (docs/architecture.md §1).
+
+- The import contracts in pyproject.toml ([tool.importlinter]): the services never import each
+  other or the orchestrator, the orchestrator never imports the model package or torch, the model
+  package has no gRPC, the wire contract depends on nothing else of specd, nothing imports cli/.
+- The code is linted and formatted (ruff, configured in pyproject.toml).
+- The client side of specd runs without torch: a fresh interpreter that imports every module of
+  the orchestrator, the wire contract, deploy, the load tester and the command line, and parses the
+  client commands, has not loaded torch or transformers (each would cost seconds at every start).
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+HEAVY = ("torch", "transformers", "torchao", "accelerate", "specd.model", "specd.serving")
+
+# Every module of these packages, then the CLI's client commands as a user types them.
+CLIENT_SIDE = r"""
+import importlib, json, pkgutil, sys
+packages = ["specd.v1", "specd.proto", "specd.orchestrator", "specd.deploy", "specd.cli"]
+modules = ["specd.bench.loadtest", "specd.bench.report"]
+for name in packages:
+    package = importlib.import_module(name)
+    modules += [info.name for info in pkgutil.walk_packages(package.__path__, name + ".")
+                if not info.name.endswith("__main__")]
+for name in modules:
+    importlib.import_module(name)
+from specd.cli import build_parser
+for argv in (["generate", "hi", "--server", "127.0.0.1:1"], ["loadtest", "--server", "127.0.0.1:1"],
+             ["serve", "orchestrator", "--draft", "a:1", "--target", "b:2"], ["up", "--ray-address", "auto"]):
+    build_parser().parse_args(argv)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in {HEAVY_ROOTS} or m.startswith({HEAVY_PACKAGES}))
+print(json.dumps({"modules": modules, "heavy": heavy}))
+"""
+
+
+def tool(name: str) -> str:
+    found = shutil.which(name, path=str(Path(sys.executable).parent))
+    assert found, f"{name} is a test dependency: run scripts/setup.sh"
+    return found
+
+
+def test_the_import_contracts_hold():
+    run = subprocess.run([tool("lint-imports"), "--no-cache"], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "0 broken" in run.stdout, run.stdout
+
+
+def test_the_client_side_loads_no_torch():
+    roots = {name for name in HEAVY if "." not in name}
+    script = CLIENT_SIDE.replace("{HEAVY_ROOTS}", repr(roots)).replace(
+        "{HEAVY_PACKAGES}", repr(tuple(name for name in HEAVY if "." in name))
+    )
+    run = subprocess.run([sys.executable, "-c", script], cwd="/", capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout.splitlines()[-1])
+    assert "specd.orchestrator.generation" in report["modules"] and "specd.cli.generate" in report["modules"]
+    assert report["heavy"] == [], f"the client side imported {report['heavy']}"
+
+
+def test_the_code_is_linted_and_formatted():
+    lint = subprocess.run([tool("ruff"), "check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    formatted = subprocess.run(
+        [tool("ruff"), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert formatted.returncode == 0, f"run `.venv/bin/ruff format .`:\n{formatted.stdout}{formatted.stderr}"
