@@ -302,7 +302,9 @@ async def run_loadtest(
             label = f"concurrency {level}" if mode == "closed" else f"rate {level:g}/s"
             advance = progress(label, requests) if progress else (lambda: None)
             run = closed_loop if mode == "closed" else open_loop
+            before = await _passes(stub, settings.timeout)
             runs.append(await run(stub, settings, level, requests, advance))
+            runs[-1].update(calls_per_pass(before, await _passes(stub, settings.timeout)))
     return {"runs": runs, "settings": _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)}
 
 
@@ -321,6 +323,26 @@ async def _server_info(stub, timeout: float) -> dict | None:
         "draft_quantization": info.draft.quantization,
         "workers": info.workers,
     }
+
+
+async def _passes(stub, timeout: float) -> dict[str, Counter] | None:
+    """Passes each service has run so far, by calls per pass (its Info's batch_sizes); None if unanswered."""
+    try:
+        info = await stub.Info(common_pb2.InfoRequest(), timeout=min(timeout, 10.0))
+    except grpc.aio.AioRpcError:
+        return None
+    return {"draft": Counter(dict(info.draft.batch_sizes)), "target": Counter(dict(info.target.batch_sizes))}
+
+
+def calls_per_pass(before: dict | None, after: dict | None) -> dict:
+    """Mean calls (one per session) in each service's batched passes between two readings: how much the
+    services batched during a run (1.0: never; other load on the same services counts too)."""
+    means = {}
+    for role in ("draft", "target"):
+        ran = after[role] - before[role] if before and after else Counter()
+        passes = sum(ran.values())
+        means[f"{role}_calls_per_pass"] = sum(size * n for size, n in ran.items()) / passes if passes else None
+    return means
 
 
 def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompts_file, server_info) -> dict:
@@ -361,6 +383,7 @@ def summary_table(report: dict):
         "mean acc. len",
         "mean K",
         "spec off",
+        "calls/pass D/T",
         "errors",
     ):
         table.add_column(name, justify="left" if name in ("run", "errors") else "right")
@@ -384,6 +407,7 @@ def _table_row(run: dict) -> list[str]:
         _num(run["mean_accepted_length"], 2),
         _num(run["mean_draft_length"], 1),
         "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}",
+        f"{_num(run.get('draft_calls_per_pass'), 1)}/{_num(run.get('target_calls_per_pass'), 1)}",
         errors,
     ]
 

@@ -8,9 +8,11 @@ speculation stats. So both APIs check, limit and answer alike (greedy output ove
 greedy output over gRPC).
 """
 
+import asyncio
 import time
 from dataclasses import dataclass
 
+import grpc
 from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
@@ -18,7 +20,9 @@ from specd.orchestrator.generation import GenerationRequest, Stats
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.worker import WorkerPool
-from specd.v1 import specdecode_pb2
+from specd.v1 import common_pb2, specdecode_pb2
+
+INFO_TIMEOUT_S = 2.0  # a service's Info is answered on its event loop, never behind a model pass
 
 # SpeculationStats fields that grow with the output (per step): the HTTP API sends them only on `trace`.
 STEP_FIELDS = ("step_draft_seconds", "step_verify_seconds")
@@ -66,10 +70,16 @@ class Core:
     def services_max_k(self) -> int:
         return min(self.pair.draft_info.max_draft_tokens, self.pair.target_info.max_draft_tokens)
 
-    def info(self) -> specdecode_pb2.OrchestratorInfo:
+    async def info(self) -> specdecode_pb2.OrchestratorInfo:
+        """The services' Info as they answer now (sessions, cached tokens, queued calls, passes by
+        batch size); for a service that does not answer in time, what it said when we connected."""
+        draft, target = await asyncio.gather(
+            _live_info(self.pair.draft_stub, self.pair.draft_info),
+            _live_info(self.pair.target_stub, self.pair.target_info),
+        )
         return specdecode_pb2.OrchestratorInfo(
-            draft=self.pair.draft_info,
-            target=self.pair.target_info,
+            draft=draft,
+            target=target,
             default_draft_tokens=self.default_draft_tokens or 0,
             workers=len(self.pool.actors),
             adaptive_draft_tokens=self.default_draft_tokens is None,
@@ -175,3 +185,10 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
 
 def stats_proto(stats: Stats) -> specdecode_pb2.SpeculationStats:
     return specdecode_pb2.SpeculationStats(**stats_dict(stats))
+
+
+async def _live_info(stub, known: common_pb2.ModelInfo) -> common_pb2.ModelInfo:
+    try:
+        return await stub.Info(common_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
+    except grpc.aio.AioRpcError:
+        return known

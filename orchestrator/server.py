@@ -38,7 +38,7 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
             yield to_proto(event)
 
     async def Info(self, request, context):
-        return self.core.info()
+        return await self.core.info()
 
 
 def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:

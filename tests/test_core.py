@@ -5,6 +5,7 @@ import math
 import subprocess
 import sys
 
+import grpc
 import pytest
 from prometheus_client import generate_latest
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -47,8 +48,21 @@ class FakePool:
         yield Finished("length", len(request.prompt_ids), 1, stats)
 
 
-def core(**options) -> Core:
-    pair = ServicePair(None, None, info("draft", 48, 6), info("target", 64, 8), tokenizer(), ())
+class FakeService:
+    """Answers Info with what the service holds now, or is down (UNAVAILABLE)."""
+
+    def __init__(self, answer: common_pb2.ModelInfo | None):
+        self.answer = answer
+
+    async def Info(self, request, timeout=None):
+        if self.answer is None:
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "down")
+        return self.answer
+
+
+def core(draft_now=None, target_now=None, **options) -> Core:
+    stubs = FakeService(draft_now), FakeService(target_now)
+    pair = ServicePair(*stubs, info("draft", 48, 6), info("target", 64, 8), tokenizer(), ())
     return Core(pair, FakePool(), **options)
 
 
@@ -118,13 +132,21 @@ async def test_start_runs_on_the_pool_and_counts_every_request():
     assert len(served.pool.requests) == 1  # the refused one never reached the pool
 
 
-def test_info_and_the_served_pair():
+async def test_info_and_the_served_pair():
     served = core(default_draft_tokens=None)
-    reply = served.info()
+    reply = await served.info()
     assert reply.workers == 3 and reply.adaptive_draft_tokens and reply.max_draft_tokens == 6
     assert reply.draft.role == "draft" and reply.target.role == "target"
-    assert core(default_draft_tokens=4).info().default_draft_tokens == 4
+    assert (await core(default_draft_tokens=4).info()).default_draft_tokens == 4
     assert served.model_name == "target-model" and served.room == 48
+
+
+async def test_info_reports_what_the_services_hold_now_and_what_they_said_when_one_is_down():
+    target_now = info("target", 64, 8)
+    target_now.live_sessions, target_now.batch_sizes[2] = 3, 7
+    reply = await core(target_now=target_now).info()  # the draft is down
+    assert reply.target.live_sessions == 3 and dict(reply.target.batch_sizes) == {2: 7}
+    assert reply.draft.model == "draft-model" and reply.draft.live_sessions == 0  # as it was at connect time
 
 
 def stats() -> Stats:

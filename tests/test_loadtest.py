@@ -4,6 +4,7 @@ import argparse
 import asyncio
 import json
 import socket
+from collections import Counter
 
 import pytest
 
@@ -106,6 +107,14 @@ def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
     }
 
 
+def test_calls_per_pass_is_the_mean_batch_of_the_passes_run_between_two_readings():
+    before = {"draft": Counter({1: 5}), "target": Counter({1: 5, 2: 1})}
+    after = {"draft": Counter({1: 5, 2: 4}), "target": Counter({1: 7, 2: 1, 4: 2})}
+    assert loadtest.calls_per_pass(before, after) == {"draft_calls_per_pass": 2.0, "target_calls_per_pass": 2.5}
+    assert loadtest.calls_per_pass(after, after) == {"draft_calls_per_pass": None, "target_calls_per_pass": None}
+    assert loadtest.calls_per_pass(None, after) == {"draft_calls_per_pass": None, "target_calls_per_pass": None}
+
+
 def test_poisson_arrivals_are_seeded_and_average_the_rate():
     offsets = loadtest.arrival_offsets(rate=4.0, count=4000, seed=7)
     assert offsets == loadtest.arrival_offsets(rate=4.0, count=4000, seed=7)
@@ -154,6 +163,9 @@ async def test_closed_loop_sweep_and_open_loop_run(tiny_stack, tmp_path):
         check_run(run, requests=6, max_new_tokens=8)
     assert report["settings"]["max_new_tokens"] == 8 and report["settings"]["ignore_eos"] is True
     assert report["settings"]["server_info"]["workers"] == 2
+    one, two = report["runs"][0], report["runs"][1]
+    assert one["target_calls_per_pass"] == 1.0  # one stream: nothing to batch with
+    assert 1.0 <= two["target_calls_per_pass"] <= 2.0 and 1.0 <= two["draft_calls_per_pass"] <= 2.0
     loadtest.save_plot(report, tmp_path / "loadtest.png")
     assert (tmp_path / "loadtest.png").read_bytes().startswith(PNG_SIGNATURE)
     assert loadtest.summary_table(report).row_count == 3
