@@ -25,7 +25,7 @@ from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
-from specd.orchestrator.sessions import SPENT_S, RemoteSession
+from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
 from specd.v1 import common_pb2
 
@@ -167,10 +167,6 @@ class Generation:
     def seconds_left(self) -> float | None:
         return None if self.request.deadline is None else max(0.001, self.request.deadline - time.time())
 
-    def expired(self) -> bool:
-        """The request's own deadline has passed (or is as close as sessions.py treats as spent)."""
-        return self.request.deadline is not None and self.request.deadline - time.time() <= SPENT_S
-
     async def run(self):
         """Yield Delta events, then one Finished."""
         started = time.perf_counter()
@@ -207,7 +203,7 @@ class Generation:
         try:
             await self.draft.prefill(self.committed)
         except ServiceFailed as failure:
-            if self.expired():
+            if self.draft.spent():
                 raise  # the request ran out of time, not the draft
             self.draft_gate.failed()
             log.warning("draft prefill failed, continuing target-only: %s", failure)
@@ -252,7 +248,7 @@ class Generation:
         try:
             proposal, served = await self.draft.propose(committed, k, self.sampling)
         except ServiceFailed as failure:
-            if self.expired():
+            if self.draft.spent():
                 raise  # the request ran out of time, not the draft: end it (DEADLINE_EXCEEDED)
             self.draft_gate.failed()
             log.warning("draft failed, this step runs target-only: %s", failure)

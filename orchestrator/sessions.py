@@ -172,7 +172,7 @@ class RemoteSession:
 
     async def _retrying(self, attempt: Callable[[], Awaitable]):
         """attempt() until it answers; transient failures are retried with back-off in the window."""
-        if self._spent():  # a call that can only time out is not sent: the request ends DEADLINE_EXCEEDED
+        if self.spent():  # a call that can only time out is not sent: the request ends DEADLINE_EXCEEDED
             raise ServiceFailed(
                 self.name,
                 grpc.StatusCode.DEADLINE_EXCEEDED,
@@ -188,7 +188,7 @@ class RemoteSession:
                     raise self._failed(error, backoff.attempts, time.monotonic() - started) from error
                 await asyncio.sleep(pause)
 
-    def _spent(self) -> bool:
+    def spent(self) -> bool:
         """The request's deadline has passed, or is within 10 ms: too close for a call."""
         left = self.seconds_left()
         return left is not None and left <= SPENT_S
@@ -197,7 +197,7 @@ class RemoteSession:
         """Unavailable (restarting, unreachable), or slower than the per-call cap while the request has time."""
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             return True
-        return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self._spent()
+        return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
 
     def _failed(self, error: grpc.aio.AioRpcError, retries: int, seconds: float) -> ServiceFailed:
         if retries and self._transient(error):
