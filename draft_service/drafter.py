@@ -76,7 +76,7 @@ class Drafter(ModelService):
         if call.sampling.greedy:
             proposal.draft_tokens.append(int(logits.argmax()))
             return
-        token_ids, probs = prune_q(probs_from_logits(logits, call.sampling))
+        token_ids, probs = (tensor.cpu() for tensor in prune_q(probs_from_logits(logits, call.sampling)))
         index = draw(probs, call.sampling, position, Stream.DRAFT)
         proposal.draft_tokens.append(int(token_ids[index]))
         proposal.q.append((token_ids, probs))

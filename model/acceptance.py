@@ -56,12 +56,15 @@ def _accept_greedy(draft_tokens: list[int], target_tokens: list[int]) -> Verdict
 
 
 def _accept_sampled(draft_tokens, p, q, sampling: Sampling, first_position: int) -> Verdict:
-    """Modified rejection sampling: the emitted tokens follow p exactly, whatever q is."""
-    for i, x in enumerate(draft_tokens):
+    """Modified rejection sampling: the emitted tokens follow p exactly, whatever q is.
+    p(x) and q(x) of every guess cross to the host in one copy, not one per guess."""
+    rows, guesses = torch.arange(len(draft_tokens), device=p.device), torch.tensor(draft_tokens, device=p.device)
+    p_x, q_x = torch.stack([p[rows, guesses], q[rows, guesses]]).tolist()
+    for i in range(len(draft_tokens)):
         position = first_position + i
-        # Accept x with probability min(1, p(x) / q(x)).
+        # Accept the guess x with probability min(1, p(x) / q(x)).
         u = position_uniform(sampling.seed, position, Stream.ACCEPT)
-        if u * float(q[i, x]) < float(p[i, x]):
+        if u * q_x[i] < p_x[i]:
             continue
         # Rejected: recover from the residual norm(max(0, p - q)).
         residual = torch.clamp(p[i] - q[i], min=0.0)

@@ -23,8 +23,9 @@ class PaddedBatch:
         self.caches = caches  # session id -> its own cache, in row order
         self.new_columns: list[list[int]] = [[] for _ in caches]  # where each row's new KV sits in the padded cache
         self.positions = [cache.get_seq_length() for cache in caches.values()]  # each row's next position
+        self.device = loaded.device
         width = max(self.positions)
-        self.mask = torch.zeros(len(caches), width, dtype=torch.long)
+        self.mask = torch.zeros(len(caches), width, dtype=torch.long, device=self.device)
         for row, length in enumerate(self.positions):
             self.mask[row, width - length :] = 1
         self.cache = DynamicCache(ddp_cache_data=self._padded_layers(width))
@@ -35,7 +36,7 @@ class PaddedBatch:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         layers = []
         for index in range(config.num_hidden_layers):
-            keys = torch.zeros(len(self.caches), heads, width, head_dim, dtype=self.loaded.dtype)
+            keys = torch.zeros(len(self.caches), heads, width, head_dim, dtype=self.loaded.dtype, device=self.device)
             values = torch.zeros_like(keys)
             for row, cache in enumerate(self.caches.values()):
                 length = self.positions[row]
@@ -51,12 +52,13 @@ class PaddedBatch:
         if [row.session_id for row in rows] != list(self.caches):
             raise ValueError("a batched pass takes the rows of its own sessions, in order")
         width, longest = self.mask.shape[1], max(len(row.tokens) for row in rows)
-        input_ids = torch.zeros(len(rows), longest, dtype=torch.long)
+        input_ids = torch.zeros(len(rows), longest, dtype=torch.long)  # built here, then one copy each
         real = torch.zeros(len(rows), longest, dtype=torch.long)
         for index, row in enumerate(rows):
             input_ids[index, : len(row.tokens)] = torch.tensor(row.tokens, dtype=torch.long)
             real[index, : len(row.tokens)] = 1
         position_ids = torch.tensor(self.positions).unsqueeze(1) + torch.arange(longest)
+        input_ids, real, position_ids = (tensor.to(self.device) for tensor in (input_ids, real, position_ids))
         self.mask = torch.cat([self.mask, real], dim=1)
         hidden = self.loaded.model.model(
             input_ids=input_ids, attention_mask=self.mask, position_ids=position_ids, cache=self.cache, use_cache=True
@@ -73,6 +75,6 @@ class PaddedBatch:
         for row, cache in enumerate(self.caches.values()):
             if not self.new_columns[row]:
                 continue
-            columns = torch.tensor(self.new_columns[row])
+            columns = torch.tensor(self.new_columns[row], device=self.device)
             for index, layer in enumerate(self.cache.layers):
                 cache.update(layer.keys[row : row + 1, :, columns], layer.values[row : row + 1, :, columns], index)

@@ -42,7 +42,9 @@ class Engine(Protocol):
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """Append each row's tokens to its session's KV, all rows in one batched pass (one row per
         session; a session the engine has not seen starts empty). Returns, per row, float32
-        logits [keep_logits, vocab_size] of its last tokens."""
+        logits [keep_logits, vocab_size] of its last tokens, on the engine's device (sampling and
+        the acceptance rule run there; only token ids and pruned q rows cross to the host).
+        Running out of device memory raises CapacityExceeded, every session's KV as it was."""
 
     def passes(self, session_ids: list[str]) -> AbstractContextManager:
         """A block of forward calls over exactly these sessions, in this order (the drafting
@@ -55,6 +57,10 @@ class Engine(Protocol):
 
     def release(self, session_id: str) -> None:
         """Forget the session's KV (no-op for an unknown session)."""
+
+    def kv_token_budget(self) -> int | None:
+        """KV-cached tokens the device's free memory holds (the default --max-cached-tokens on a
+        GPU); None where the limit's own default holds (a CPU)."""
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""

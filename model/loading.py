@@ -23,6 +23,10 @@ class LoadedModel:
     quantization: str = "none"
 
     @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
     def vocab_size(self) -> int:
         return self.model.get_output_embeddings().weight.shape[0]
 
@@ -38,13 +42,13 @@ class LoadedModel:
         return sorted(set(ids))
 
 
-def default_dtype() -> str:
-    """bfloat16 where torch has fast CPU kernels for it, else float32.
+def default_dtype(device: torch.device | str = "cpu") -> str:
+    """bfloat16 on a GPU, and on a CPU where torch has fast kernels for it, else float32.
 
     Native AVX-512 bf16 / AMX is best, but even AVX2 (bf16 converted in registers) runs a
     decode step about twice as fast as float32 here, since the step is memory-bound.
     """
-    if torch.cuda.is_available():
+    if torch.device(device).type == "cuda":
         return "bfloat16"
     return "bfloat16" if {"avx512_bf16", "amx_bf16", "avx2"} & _cpu_flags() else "float32"
 
@@ -59,12 +63,12 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-def resolve_quantization(role: str, choice: str) -> str:
+def resolve_quantization(role: str, choice: str, device: torch.device | str = "cpu") -> str:
     """`--quantize auto` for a role: int4 weight-only for a CPU draft (measured fastest here at a small
     cost in acceptance, README), none for a target (it would change the output) or a GPU draft."""
     if choice != "auto":
         return choice
-    return "int4" if role == "draft" and not torch.cuda.is_available() else "none"
+    return "int4" if role == "draft" and torch.device(device).type == "cpu" else "none"
 
 
 def quantize(model: PreTrainedModel, scheme: str) -> torch.dtype:
@@ -98,15 +102,19 @@ def set_threads(threads: int | None) -> None:
 
 
 def load_model(
-    name_or_path: str, dtype: str | None = None, threads: int | None = None, quantization: str = "none"
+    name_or_path: str,
+    dtype: str | None = None,
+    threads: int | None = None,
+    quantization: str = "none",
+    device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Load for inference. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
+    """Load for inference on `device`. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
     from specd.model.store import find_spec, resolve_model
 
     set_threads(threads)
     path = resolve_model(name_or_path)
-    torch_dtype = getattr(torch, dtype or default_dtype())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    torch_dtype = getattr(torch, dtype or default_dtype(device))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
     model.eval()
     torch_dtype = quantize(model, quantization)
     tokenizer = AutoTokenizer.from_pretrained(path)
@@ -128,9 +136,27 @@ def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
-def load_engine(role: str, model: str, dtype: str | None = None, threads: int | None = None, quantize: str = "auto"):
+def load_engine(
+    role: str,
+    model: str,
+    dtype: str | None = None,
+    threads: int | None = None,
+    quantize: str = "auto",
+    device: str = "auto",
+    cuda_graphs: str = "auto",
+):
     """The Engine (model/engine.py) a `role` service runs `model` on: a default-pair name, a local
-    HF directory or a hub id. Today always the transformers engine; the engine choice goes here."""
+    HF directory or a hub id, on the device `--device` names for the role (model/devices.py).
+    `cuda_graphs`: auto (on for a CUDA device), on or off. Today always the transformers engine;
+    the engine choice goes here. An unknown or absent device raises DeviceUnavailable before
+    anything loads."""
+    from specd.model.devices import DeviceUnavailable, resolve_device
     from specd.model.transformers_engine import TransformersEngine  # it imports this module
 
-    return TransformersEngine(load_model(model, dtype, threads, resolve_quantization(role, quantize)))
+    placed = resolve_device(role, device)
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise ValueError(f"--cuda-graphs takes auto, on or off, not {cuda_graphs!r}")
+    if cuda_graphs == "on" and placed.type != "cuda":
+        raise DeviceUnavailable(f"--cuda-graphs on needs a CUDA device; this {role} runs on {placed}")
+    loaded = load_model(model, dtype, threads, resolve_quantization(role, quantize, placed), placed)
+    return TransformersEngine(loaded, graphs=placed.type == "cuda" and cuda_graphs != "off")

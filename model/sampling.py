@@ -49,9 +49,10 @@ def _keep_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, u: float) -> int:
-    """Inverse-CDF draw from an unnormalised [V] row with the uniform u in [0, 1)."""
+    """Inverse-CDF draw from an unnormalised [V] row with the uniform u in [0, 1), on the row's
+    device; only the drawn index comes back to the host."""
     cdf = torch.cumsum(probs.double(), dim=0)
-    index = torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64), right=True)
+    index = torch.searchsorted(cdf, cdf[-1:] * u, right=True)
     return int(index.clamp(max=probs.shape[0] - 1))
 
 
@@ -69,6 +70,7 @@ def prune_q(probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return token_ids, kept / kept.sum()
 
 
-def densify(token_ids: torch.Tensor, probs: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """Inverse of prune_q: a dense [V] float32 row."""
-    return torch.zeros(vocab_size, dtype=torch.float32).index_put_((token_ids.long(),), probs.float())
+def densify(token_ids: torch.Tensor, probs: torch.Tensor, vocab_size: int, device: torch.device | str = "cpu"):
+    """Inverse of prune_q: a dense [V] float32 row on `device`."""
+    row = torch.zeros(vocab_size, dtype=torch.float32, device=device)
+    return row.index_put_((token_ids.to(device).long(),), probs.to(device).float())

@@ -13,6 +13,8 @@ from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, SessionStore
 from specd.proto.limits import Limits
 
+AUTO = 0  # Limits.max_cached_tokens = 0: derive it from the device's free memory (a CPU: the default)
+
 
 class ModelService:
     """An engine plus its sessions. Every method runs on the service's single model thread."""
@@ -22,6 +24,8 @@ class ModelService:
     def __init__(self, engine: Engine, limits: Limits):
         if limits.max_session_tokens > engine.description.max_positions:
             limits = replace(limits, max_session_tokens=engine.description.max_positions)
+        if limits.max_cached_tokens == AUTO:  # no --max-cached-tokens: what the device's memory holds
+            limits = replace(limits, max_cached_tokens=engine.kv_token_budget() or Limits().max_cached_tokens)
         self.engine = engine
         self.limits = limits
         self.store = SessionStore(engine, limits)

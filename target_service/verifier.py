@@ -88,10 +88,10 @@ class Verifier(ModelService):
         q = torch.stack(rows) if rows else torch.empty(0, vocab)
         if k and (q[torch.arange(k), torch.tensor(draft_tokens)] <= 0).any():
             raise InvalidRequest("every draft token must have q > 0 in its row: it was sampled from q")
-        return q
+        return q.to(self.engine.description.device)  # checked on the host, where it arrived; used beside p
 
 
 def _logprobs(logits: torch.Tensor, emitted: list[int]) -> list[float]:
-    """log p (temperature 1) of emitted[i] under row i."""
+    """log p (temperature 1) of emitted[i] under row i (one copy to the host)."""
     rows = torch.log_softmax(logits[: len(emitted)], dim=-1)
-    return [float(rows[i, token]) for i, token in enumerate(emitted)]
+    return rows[torch.arange(len(emitted), device=rows.device), torch.tensor(emitted, device=rows.device)].tolist()

@@ -55,6 +55,28 @@ def tiny_loaded(tiny_dirs):
     return {role: load_model(str(path), "float32") for role, path in tiny_dirs.items()}
 
 
+# Parameters of device-parametrized tests: the CPU always; CUDA where a GPU is visible
+# (scripts/gpu_check.sh runs the `gpu` half on one).
+GPU = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible here (scripts/gpu_check.sh)"),
+]
+DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
+
+
+@pytest.fixture(scope="session")
+def tiny_on(tiny_dirs, tiny_loaded):
+    """device -> the tiny pair loaded in float32 on that device ({"draft": ..., "target": ...})."""
+    loaded = {"cpu": tiny_loaded}
+
+    def on(device: str):
+        if device not in loaded:
+            loaded[device] = {role: load_model(str(path), "float32", device=device) for role, path in tiny_dirs.items()}
+        return loaded[device]
+
+    return on
+
+
 class Services:
     """A draft and a target server in this process, with stubs on one channel each."""
 
@@ -72,9 +94,10 @@ class Services:
         await self.target_server.stop(0)
 
 
-async def start_services(draft_loaded, target_loaded, limits: Limits = Limits()) -> Services:
-    draft_server = create_draft_server(lambda: Drafter(TransformersEngine(draft_loaded), limits))
-    target_server = create_target_server(lambda: Verifier(TransformersEngine(target_loaded), limits))
+async def start_services(draft_loaded, target_loaded, limits: Limits = Limits(), graphs: bool = False) -> Services:
+    """`graphs`: both engines step batch-1 rows in their static slot (CUDA graphs on a GPU)."""
+    draft_server = create_draft_server(lambda: Drafter(TransformersEngine(draft_loaded, graphs), limits))
+    target_server = create_target_server(lambda: Verifier(TransformersEngine(target_loaded, graphs), limits))
     for server in (draft_server, target_server):
         await server.start("127.0.0.1:0")
         await server.load()

@@ -4,6 +4,7 @@ to ENGINES (a factory from the tiny target's LoadedModel)."""
 
 import pytest
 import torch
+from conftest import DEVICES
 
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.engine import Engine, Row
@@ -14,13 +15,24 @@ from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 
-ENGINES = {"transformers": TransformersEngine}
+# Factories from the tiny target's LoadedModel. "static-slot" steps batch-1 rows in the static
+# slot (model/static_slot.py): through CUDA graphs on a GPU, eagerly on a CPU; its batch-1 rows
+# are checked against batched passes, which never use the slot.
+ENGINES = {
+    "transformers": TransformersEngine,
+    "transformers-static-slot": lambda loaded: TransformersEngine(loaded, graphs=True),
+}
 PROMPTS = [list(range(1000, 1007)), list(range(2000, 2003)), list(range(3000, 3012))]
 
 
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
 @pytest.fixture(params=list(ENGINES))
-def make_engine(request, tiny_loaded):
-    return lambda: ENGINES[request.param](tiny_loaded["target"])
+def make_engine(request, tiny_on, device):
+    return lambda: ENGINES[request.param](tiny_on(device)["target"])
 
 
 @pytest.fixture
@@ -36,16 +48,17 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_description(engine):
+def test_description(engine, device):
     described = engine.description
     assert described.vocab_size == 151_936 and described.max_positions == 4096
-    assert described.dtype == "float32" and described.device == "cpu" and described.quantization == "none"
+    assert described.dtype == "float32" and described.device.startswith(device) and described.quantization == "none"
     assert described.eos_token_ids and len(described.tokenizer_fingerprint) == 64
 
 
 def test_logits_are_float32_for_the_last_keep_positions(engine):
     logits = feed(engine, "s", PROMPTS[0], keep=3)
     assert logits.dtype == torch.float32 and logits.shape == (3, engine.description.vocab_size)
+    assert str(logits.device) == engine.description.device  # logits stay on the engine's device
     assert feed(engine, "t", PROMPTS[0], keep=0).shape == (0, engine.description.vocab_size)
     assert_same(logits, feed(engine, "u", PROMPTS[0], keep=len(PROMPTS[0]))[-3:])
 

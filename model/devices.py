@@ -1,0 +1,88 @@
+"""Where a model computes: choosing the device for a role, and what the device has (docs/architecture.md §4).
+
+`auto`: the target takes a GPU when one is visible (a Ray actor with `num_gpus` sees exactly the
+GPUs Ray assigned it, as cuda:0..); the draft stays on the CPU, the "cheap device", unless it is
+given a GPU by name. bfloat16 is the default dtype on a GPU (model/loading.py: default_dtype).
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+
+
+class DeviceUnavailable(ValueError):
+    """The device asked for does not exist here (the command line prints it in one line, exit 2)."""
+
+
+def resolve_device(role: str, choice: str = "auto") -> torch.device:
+    """The device a `role` ("draft" or "target") service runs on, for `--device choice`."""
+    choice = (choice or "auto").strip().lower()
+    if choice == "auto":
+        return torch.device("cuda:0" if role == "target" and torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except RuntimeError:
+        raise DeviceUnavailable(f"unknown device {choice!r}: choose {DEVICE_CHOICES}") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise DeviceUnavailable(f"unsupported device {choice!r}: choose {DEVICE_CHOICES}")
+    if not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            f"--device {choice}: no CUDA GPU is visible here (torch {torch.__version__}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}); use --device cpu or auto"
+        )
+    index = device.index if device.index is not None else 0
+    if index >= torch.cuda.device_count():
+        raise DeviceUnavailable(f"--device {choice}: only {torch.cuda.device_count()} CUDA GPU(s) are visible")
+    return torch.device("cuda", index)
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    name: str  # "NVIDIA H200", or the CPU's model name
+    total_bytes: int
+    free_bytes: int
+
+
+def device_memory(device: torch.device) -> DeviceMemory:
+    """The device's name and memory now (a CPU reports the host's memory)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return DeviceMemory(torch.cuda.get_device_name(device), total, free)
+    return DeviceMemory(_cpu_name(), *_host_memory())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu"
+
+
+def _host_memory() -> tuple[int, int]:
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines() if ":" in line)
+        kib = lambda key: int(fields[key].split()[0]) * 1024  # noqa: E731
+        return kib("MemTotal"), kib("MemAvailable")
+    except (OSError, KeyError, ValueError):
+        return 0, 0
+
+
+# Of the device memory free after loading, the share the KV cache may take when no
+# --max-cached-tokens is given (the rest: activations, CUDA graphs, allocator slack).
+KV_SHARE_OF_FREE_MEMORY = 0.8
+
+
+def kv_token_budget(device: torch.device, bytes_per_token: int) -> int | None:
+    """Cached tokens that fit in the device's free memory; None on a CPU (the limit's default holds)."""
+    if device.type != "cuda" or bytes_per_token <= 0:
+        return None
+    return int(device_memory(device).free_bytes * KV_SHARE_OF_FREE_MEMORY) // bytes_per_token
