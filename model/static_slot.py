@@ -124,7 +124,8 @@ class StaticSlot:
                 self._step(*args)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: another engine's thread in this process (tests, benches) may run meanwhile
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self._step(*args)
         self.graphs[(count, bucket)] = graph, logits
         log.info("captured a CUDA graph for %d new tokens over %d columns (%d graphs)", count, bucket, len(self.graphs))

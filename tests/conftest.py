@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of the real architecture, in-process services on port 0."""
 
+import os
 from pathlib import Path
 
 import grpc
@@ -18,7 +19,9 @@ from specd.target_service.verifier import Verifier
 from specd.v1 import draft_pb2_grpc, target_pb2_grpc
 
 # Tiny models use the real Qwen2.5 tokenizer (scripts/test.sh fetches the pair first), so
-# their vocabulary, ids and text behave exactly like the real pair's.
+# their vocabulary, ids and text behave exactly like the real pair's. SPECD_TEST_TOKENIZER names a
+# folder holding just its files, for a machine with no model cache (scripts/gpu_check.sh).
+TOKENIZER = os.environ.get("SPECD_TEST_TOKENIZER")
 TINY_CONFIG = dict(
     vocab_size=151_936,
     hidden_size=64,
@@ -34,7 +37,7 @@ TINY_CONFIG = dict(
 def make_tiny_model(folder: Path, seed: int, noise: float = 0.0) -> Path:
     """A random tiny Qwen2; with `noise`, the seed's weights plus noise (a draft that half agrees)."""
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("draft"))
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER or resolve_model("draft"))
     model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG, eos_token_id=tokenizer.eos_token_id))
     with torch.no_grad():
         for parameter in model.parameters():

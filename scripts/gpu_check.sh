@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The GPU check (issue 15), one command on a machine with an NVIDIA GPU, under 8 minutes on one:
+#   1. the `gpu` tests (tests marked gpu: engines, batched verify, greedy speculation equals
+#      target-only, seeded sampling, q rows, CUDA graphs equal eager in float32, device OOM);
+#   2. scripts/gpu_bench.py: HF generate and specd target-only and speculative, eager and with
+#      CUDA graphs, on the same GPU; it writes docs/results/gpu_check.json (or $RESULTS/).
+#
+# Models: the default pair's architecture (config.json of each) with random weights made here,
+# unless SPECD_GPU_TARGET / SPECD_GPU_DRAFT name real model folders. Random weights time a step
+# exactly as the real ones do, but their acceptance rate is not the real pair's.
+#
+# Environment: any Python with a CUDA torch. Where specd is not installed (the lent GPU machine),
+# it runs from this checkout; wheels in .whl/ (transformers, grpcio, ... at specd's pins: see
+# "gpu check" in README.md) are installed to a temporary folder first. Folders it reads:
+# .gpu/tokenizer, .gpu/target, .gpu/draft (tokenizer files and the pair's config.json).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-python3}
+results=${RESULTS:-docs/results}
+work=${TMPDIR:-/tmp}/specd-gpu-check
+mkdir -p "$work" "$results"
+export PYTHONUNBUFFERED=1
+started=$(date +%s)
+say() { echo "[gpu_check $(($(date +%s) - started))s] $*"; }
+
+if ! "$py" -c "import specd.model" 2>/dev/null; then
+  say "specd is not installed: running from this checkout"
+  if compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$work/site" .whl/*.whl
+  fi
+  mkdir -p "$work/src/specd"
+  for component in proto model serving draft_service target_service orchestrator deploy bench cli; do
+    ln -sfn "$PWD/$component" "$work/src/specd/$component"
+  done
+  ln -sfn "$PWD/proto/specd/v1" "$work/src/specd/v1"
+  export PYTHONPATH="$work/site:$work/src${PYTHONPATH:+:$PYTHONPATH}"
+fi
+"$py" -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA GPU visible'; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,driver_version --format=csv || true
+
+target=${SPECD_GPU_TARGET:-}
+draft=${SPECD_GPU_DRAFT:-}
+if [ -z "$target" ] || [ -z "$draft" ]; then
+  say "making the pair's architecture with random weights (bfloat16)"
+  "$py" - "$work/models" <<'EOF'
+import shutil, sys
+from pathlib import Path
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+for seed, role in enumerate(("target", "draft")):
+    folder = Path(sys.argv[1]) / role
+    if (folder / "config.json").exists():
+        continue
+    torch.manual_seed(seed)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(f".gpu/{role}"), dtype=torch.bfloat16)
+    model.save_pretrained(folder)
+    for file in Path(".gpu/tokenizer").iterdir():
+        shutil.copy(file, folder / file.name)
+    print(role, sum(p.numel() for p in model.parameters()) / 1e9, "B parameters")
+EOF
+  target=${target:-$work/models/target}
+  draft=${draft:-$work/models/draft}
+fi
+
+say "gpu tests"
+tests_status=0
+SPECD_TEST_TOKENIZER=${SPECD_TEST_TOKENIZER:-$PWD/.gpu/tokenizer} "$py" -m pytest -m gpu -q -p no:cacheprovider \
+  --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py || tests_status=$?
+
+say "bench"
+"$py" scripts/gpu_bench.py --target "$target" --draft "$draft" --device cuda --tests "$work/gpu_tests.xml" \
+  --out "$results/gpu_check.json"
+say "done: tests exit status $tests_status, results in $results/gpu_check.json"
+exit "$tests_status"
