@@ -2,11 +2,11 @@
 
 Each session has its own DynamicCache. One row runs on its session's own cache, in place;
 several rows run as one PaddedBatch (model/batch.py), whose new KV goes back to each session's
-cache when the pass, or the `passes` block, ends. With `graphs` (a CUDA device), a row of one
-session runs in the StaticSlot (model/static_slot.py) instead, through CUDA graphs: that session
-stays resident there between steps, and goes back to a cache of its own when another session
-needs the slot or the session joins a batch. Everything stays on the device; logits come back
-there too. Not thread-safe: the service's model thread is its only caller.
+cache when the pass, or the `passes` block, ends. With `graphs` (a CUDA device), passes of up to
+eight sessions run in StaticSlots (model/static_slot.py) instead, through CUDA graphs: those
+sessions stay in their rows between steps, and go back to a cache of their own when others need
+the rows or they join a larger batch. Everything stays on the device; logits come back there too.
+Not thread-safe: the service's model thread is its only caller.
 """
 
 from contextlib import contextmanager
@@ -19,10 +19,10 @@ from specd.model.devices import kv_token_budget
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loading import LoadedModel, tokenizer_files, tokenizer_fingerprint
-from specd.model.static_slot import StaticSlot
+from specd.model.static_slot import BATCH_BUCKETS, StaticSlots
 
-# The static slot holds one session of up to this many tokens (the model's own limit if lower);
-# the largest step it graphs is a verify of K = 16 (the largest K a service allows by default).
+# A row of the static slots holds a session of up to this many tokens (the model's own limit if
+# lower); the longest step they graph is a verify of K = 16 (the largest K a service allows by default).
 SLOT_CAPACITY = 16_384
 MAX_GRAPH_TOKENS = 17
 
@@ -44,12 +44,13 @@ class TransformersEngine:
             quantization=loaded.quantization,
         )
         capacity = min(SLOT_CAPACITY, loaded.max_positions)
-        self.slot = StaticSlot(loaded.model, capacity, MAX_GRAPH_TOKENS, graphs=True) if graphs else None
+        rows = BATCH_BUCKETS[-1]
+        self.slots = StaticSlots(loaded.model, rows, capacity, MAX_GRAPH_TOKENS, graphs=True) if graphs else None
 
     @property
     def graphs(self) -> int:
         """CUDA graphs captured so far (0 without graphs)."""
-        return len(self.slot.graphs) if self.slot is not None else 0
+        return len(self.slots.graphs) if self.slots is not None else 0
 
     def kv_token_budget(self) -> int | None:
         """Cached tokens the device's free memory holds; None on a CPU."""
@@ -63,6 +64,8 @@ class TransformersEngine:
         try:
             if self.batch is not None:
                 return self.batch.forward(rows)
+            if self.slots is not None and self._arrange(rows):
+                return self.slots.forward([row.tokens for row in rows], [row.keep_logits for row in rows])
             if len(rows) == 1:
                 return [self._forward_one(rows[0])]
             with self.passes([row.session_id for row in rows]):
@@ -78,8 +81,9 @@ class TransformersEngine:
 
     @contextmanager
     def passes(self, session_ids: list[str]):
-        """Several sessions share one padded cache for the whole block; one session needs none."""
-        if len(session_ids) < 2:
+        """Several sessions share one padded cache for the whole block; one session needs none, nor
+        a block the static slots hold."""
+        if len(session_ids) < 2 or (self.slots is not None and len(session_ids) <= self.slots.rows):
             yield
             return
         self.batch = PaddedBatch(self.loaded, {session_id: self._cache(session_id) for session_id in session_ids})
@@ -92,8 +96,6 @@ class TransformersEngine:
     def _forward_one(self, row: Row) -> torch.Tensor:
         if not row.tokens:
             return torch.empty(0, self.description.vocab_size, device=self.device)
-        if self.slot is not None and self._make_resident(row.session_id, len(row.tokens)):
-            return self.slot.forward(row.tokens)[len(row.tokens) - row.keep_logits :]
         cache = self._cache(row.session_id)
         length = cache.get_seq_length()
         try:
@@ -105,39 +107,51 @@ class TransformersEngine:
             raise
         return self.loaded.model.lm_head(hidden[0, len(row.tokens) - row.keep_logits :]).float()
 
-    def _make_resident(self, session_id: str, new_tokens: int) -> bool:
-        """Move the session into the static slot (the resident one back to its own cache) if it fits."""
-        if self.slot.session_id != session_id:
-            cache = self.caches.get(session_id)
-            if (cache.get_seq_length() if cache is not None else 0) + new_tokens > self.slot.capacity:
+    def _arrange(self, rows: list[Row]) -> bool:
+        """Put the pass's sessions in static rows 0..B-1, in order, if they fit; False if not."""
+        slots = self.slots
+        if len(rows) > slots.rows:
+            return False
+        for row in rows:
+            held = slots.row_of(row.session_id)
+            cache = self.caches.get(row.session_id)
+            length = slots.lengths[held] if held is not None else cache.get_seq_length() if cache is not None else 0
+            if length + len(row.tokens) > slots.capacity:
                 return False
-            self._evict_resident()
-            self.slot.load(session_id, self.caches.pop(session_id, None))
-        return self.slot.fits(new_tokens) or self._evict_resident()
+        for index, row in enumerate(rows):
+            held = slots.row_of(row.session_id)
+            if held == index:
+                continue
+            if held is not None:  # in a later row: trade places with whoever sits in this one
+                slots.swap(index, held) if slots.sessions[index] is not None else slots.move(held, index)
+                continue
+            if slots.sessions[index] is not None:  # make room: to a free row past the pass's, or out
+                free = slots.free_row(len(rows))
+                slots.move(index, free) if free is not None else self._unload(index)
+            slots.load(index, row.session_id, self.caches.pop(row.session_id, None))
+        return True
 
-    def _evict_resident(self) -> bool:
-        if self.slot is not None and self.slot.session_id is not None:
-            session_id = self.slot.session_id
-            self.caches[session_id] = self.slot.unload()
-        return False
+    def _unload(self, row: int) -> None:
+        session_id, cache = self.slots.unload(row)
+        self.caches[session_id] = cache
 
     def _cache(self, session_id: str) -> DynamicCache:
-        if self.slot is not None and self.slot.session_id == session_id:
-            self._evict_resident()
+        if self.slots is not None and (row := self.slots.row_of(session_id)) is not None:
+            self._unload(row)
         return self.caches.setdefault(session_id, DynamicCache())
 
     def crop(self, session_id: str, length: int) -> None:
         self._check_no_block("crop")
-        if self.slot is not None and self.slot.session_id == session_id:
-            self.slot.length = min(self.slot.length, length)
+        if self.slots is not None and self.slots.row_of(session_id) is not None:
+            self.slots.set_length(session_id, length)
             return
         if session_id in self.caches:
             _crop(self.caches[session_id], length)
 
     def release(self, session_id: str) -> None:
         self._check_no_block("release")
-        if self.slot is not None and self.slot.session_id == session_id:
-            self.slot.session_id, self.slot.length = None, 0
+        if self.slots is not None and self.slots.row_of(session_id) is not None:
+            self.slots.forget(session_id)
         self.caches.pop(session_id, None)
 
     def _check_no_block(self, what: str) -> None:

@@ -145,7 +145,32 @@ def step_costs(loaded, graphs: bool, context: int = 200, repeats: int = 30) -> d
             times.append((time.perf_counter() - started) * 1000)
             engine.crop("s", context)
         costs[name] = statistics.median(times[3:])
+        if engine.slots is not None and engine.slots.graphs:  # the GPU's part: the last graph's replay alone
+            graph, _ = engine.slots.graphs[(1, len(tokens), 256)]
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            synchronize(engine.device)
+            costs[name.replace("_ms", "_replay_ms")] = start.elapsed_time(end) / repeats
     return costs
+
+
+async def float32_agreement(path: str, device: torch.device, prompts, max_new_tokens: int, k: int) -> dict:
+    """In float32 greedy speculation is exact token for token (docs/architecture.md §7): the target
+    in float32, eager and with graphs, target only and drafting for itself, against eager target-only."""
+    target = load_model(path, "float32", device=device)
+    outputs = {}
+    for graphs in (False, True):
+        async with Stack(target, target, graphs) as stack:
+            for name, draft_tokens in (("target_only", 0), ("self_draft", k)):
+                result = await specd_loop(stack, prompts[:2], max_new_tokens // 2, draft_tokens)
+                outputs[f"{name}_{'graphs' if graphs else 'eager'}"] = result["outputs"]
+    del target
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {name: tokens == outputs["target_only_eager"] for name, tokens in outputs.items()}
 
 
 def junit_summary(path: Path) -> dict:
@@ -211,6 +236,8 @@ async def main() -> None:
             result = systems[f"specd_{name}_{mode}"]
             print(f"  specd_{name}_{mode} {result['tokens_per_s']:.1f} tok/s alpha={result['acceptance_rate']}")
         print(f"  step costs ({mode}): {report['step_costs'][mode]}", flush=True)
+    report["float32_greedy_equal"] = await float32_agreement(args.target, device, prompts, args.max_new_tokens, args.k)
+    print("float32, outputs equal to eager target-only:", report["float32_greedy_equal"], flush=True)
     reference = systems["specd_target_only_eager"]["outputs"]
     report["greedy_outputs_equal_target_only"] = {
         name: result["outputs"] == reference for name, result in systems.items() if "outputs" in result

@@ -147,29 +147,37 @@ async def test_greedy_speculation_equals_target_only_and_seeded_sampling_repeats
         await services.close()
 
 
-@pytest.mark.parametrize("device", [pytest.param("cuda", marks=GPU)])
-def test_cuda_graph_replays_equal_eager_steps_in_float32(tiny_on, device):
-    """The same steps (a prefill, decodes, verifies of K + 1 tokens, a rollback) through CUDA
-    graphs and eagerly over the same static slot, and eagerly over a DynamicCache."""
+def scripted_passes():
+    """Passes of every shape the services make: prefills (longer than a graph), decodes and
+    verifies at batch 1, 2, 3 and 5, sessions swapping rows, a batch too large for the rows, and
+    rollbacks and releases in between. Yields (rows, then: "crop"/"release" session edits)."""
+    yield [Row("a", PROMPTS[2] * 2, 1)], []
+    yield [Row("b", PROMPTS[0], 1), Row("c", PROMPTS[1], 2)], []
+    yield [Row("a", [5], 1)], []
+    yield [Row("c", [6, 7, 8, 9, 10], 5), Row("a", [11], 1), Row("b", [12, 13], 2)], [("crop", "c", 7)]
+    yield [Row(f"x{i}", PROMPTS[i % 3][: 3 + i], 1) for i in range(9)], [("release", "x3", 0)]  # 9 rows
+    yield [Row("b", [14], 1), Row("x1", [15, 16, 17], 3), Row("a", [], 0), Row("x2", [18], 1), Row("c", [19], 1)], []
+    yield [Row("x4", [20, 21], 2)], [("crop", "a", 3), ("release", "b", 0)]
+    yield [Row("a", [22, 23, 24], 3), Row("b", [25], 1)], []
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_static_slots_equal_dynamic_caches_pass_for_pass(tiny_on, device):
+    """The same passes through the static slots (CUDA graphs on a GPU, eager on a CPU), eagerly
+    over the same slots, and over DynamicCaches: the same logits, in float32."""
     loaded = tiny_on(device)["target"]
-    graphed, slot_eager, dynamic = (TransformersEngine(loaded, graphs=True) for _ in range(3))
-    slot_eager.slot.graphs_enabled = False
-    dynamic.slot = None
-    steps = [(PROMPTS[2], 1), ([5], 1), ([6, 7, 8, 9, 10], 5), ([11], 1), ([12, 13, 14], 3)]
-    for tokens, keep in steps:
-        outputs = [engine.forward([Row("s", tokens, keep)])[0] for engine in (graphed, slot_eager, dynamic)]
-        torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(outputs[0], outputs[2], atol=1e-4, rtol=1e-4)
-        for engine in (graphed, slot_eager, dynamic):
-            engine.crop("s", engine_length(engine) - 1)  # roll the last token back, then feed it again
-            engine.forward([Row("s", tokens[-1:], 0)])
-    assert graphed.graphs >= 3 and slot_eager.graphs == 0
-
-
-def engine_length(engine: TransformersEngine) -> int:
-    if engine.slot is not None and engine.slot.session_id == "s":
-        return engine.slot.length
-    return engine.caches["s"].get_seq_length()
+    slots, slots_eager, dynamic = (TransformersEngine(loaded, graphs=True) for _ in range(3))
+    slots_eager.slots.graphs_enabled = False
+    dynamic.slots = None
+    for rows, edits in scripted_passes():
+        outputs = [engine.forward(rows) for engine in (slots, slots_eager, dynamic)]
+        for got, eager, reference in zip(*outputs):
+            torch.testing.assert_close(got, eager, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+        for edit, session_id, length in edits:
+            for engine in (slots, slots_eager, dynamic):
+                engine.crop(session_id, length) if edit == "crop" else engine.release(session_id)
+    assert (slots.graphs >= 4) == (device == "cuda") and slots_eager.graphs == 0
 
 
 class _OutOfMemoryOnce:
