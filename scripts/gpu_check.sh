@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check (issue 15), one command on a machine with an NVIDIA GPU, under 8 minutes on one:
 #   1. the `gpu` tests (tests marked gpu: engines, batched verify, greedy speculation equals
-#      target-only, seeded sampling, q rows, CUDA graphs equal eager in float32, device OOM);
+#      target-only, seeded sampling, q rows, CUDA graphs equal eager in float32, device OOM; the
+#      real pair's greedy speculation with CUDA graphs where the pair is fetched);
 #   2. scripts/gpu_bench.py: HF generate and specd target-only and speculative, eager and with
 #      CUDA graphs, on the same GPU; it writes docs/results/gpu_check.json (or $RESULTS/).
 #
-# Models: the default pair's architecture (config.json of each) with random weights made here,
-# unless SPECD_GPU_TARGET / SPECD_GPU_DRAFT name real model folders. Random weights time a step
-# exactly as the real ones do, but their acceptance rate is not the real pair's.
+# Models: the default pair when it is fetched (`specd models fetch`), or SPECD_GPU_TARGET and
+# SPECD_GPU_DRAFT; else the pair's architecture (config.json of each) with random weights made
+# here. Random weights time a step exactly as the real ones do, but their acceptance rate is not
+# the real pair's.
 #
 # Environment: any Python with a CUDA torch. Where specd is not installed (the lent GPU machine),
 # it runs from this checkout; wheels in .whl/ (transformers, grpcio, ... at specd's pins: see
@@ -40,6 +42,10 @@ nvidia-smi --query-gpu=name,memory.total,memory.used,clocks.sm,driver_version --
 
 target=${SPECD_GPU_TARGET:-}
 draft=${SPECD_GPU_DRAFT:-}
+if [ -z "$target" ] && pair=$("$py" -c "from specd.model.store import resolve_model as r; print(r('target'), r('draft'))" 2>/dev/null); then
+  read -r target draft <<<"$pair"
+  say "the default pair is fetched: the bench runs it"
+fi
 if [ -z "$target" ] || [ -z "$draft" ]; then
   say "making the pair's architecture with random weights (bfloat16)"
   "$py" - "$work/models" <<'EOF'
@@ -66,7 +72,7 @@ fi
 say "gpu tests"
 tests_status=0
 SPECD_TEST_TOKENIZER=${SPECD_TEST_TOKENIZER:-$PWD/.gpu/tokenizer} "$py" -m pytest -m gpu -q -p no:cacheprovider \
-  --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py || tests_status=$?
+  --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py tests/test_real_pair.py || tests_status=$?
 
 say "bench"
 "$py" scripts/gpu_bench.py --target "$target" --draft "$draft" --device cuda --tests "$work/gpu_tests.xml" \

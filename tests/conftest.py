@@ -60,10 +60,8 @@ def tiny_loaded(tiny_dirs):
 
 # Parameters of device-parametrized tests: the CPU always; CUDA where a GPU is visible
 # (scripts/gpu_check.sh runs the `gpu` half on one).
-GPU = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU visible here (scripts/gpu_check.sh)"),
-]
+requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (scripts/gpu_check.sh)")
+GPU = [pytest.mark.gpu, requires_gpu]
 DEVICES = ["cpu", pytest.param("cuda", marks=GPU)]
 
 

@@ -6,9 +6,10 @@ Slow: the pair is loaded once per session (conftest's `real_float32`), the servi
 
 import pytest
 import torch
-from conftest import start_services
+from conftest import requires_gpu, start_services
 
-from specd.model.loading import tokenizer_fingerprint
+from specd.model.loading import load_model, tokenizer_fingerprint
+from specd.model.store import ModelNotFetchedError
 from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
@@ -103,6 +104,32 @@ async def test_greedy_speculation_over_grpc_emits_the_targets_own_tokens(
     # Speculation did something: drafts were accepted, so fewer target passes than tokens.
     assert accepted > 0, f"K={k}: no draft token accepted in {steps} steps"
     assert steps < len(emitted)
+
+
+@pytest.mark.gpu
+@requires_gpu
+async def test_on_a_gpu_with_cuda_graphs_greedy_speculation_emits_the_targets_own_tokens():
+    """The pair in float32 on CUDA, both services stepping through CUDA graphs: K = 4 gives HF
+    generate's greedy tokens on the same GPU, and drafts are accepted (scripts/gpu_check.sh)."""
+    try:
+        loaded = {role: load_model(role, "float32", device="cuda") for role in ("draft", "target")}
+    except ModelNotFetchedError as error:
+        pytest.skip(str(error))
+    target = loaded["target"]
+    services = await start_services(loaded["draft"], target, graphs=True)
+    try:
+        for prompt in PROMPTS:
+            ids = target.tokenizer(prompt, return_tensors="pt").input_ids.to("cuda")
+            with torch.inference_mode():
+                output = target.model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0
+                )
+            expected = output[0, ids.shape[1] :].tolist()
+            session = f"gpu-{prompt[:12]}"
+            emitted, steps, accepted = await speculate(services, session, ids[0].tolist(), 4, set(target.eos_token_ids))
+            assert emitted == expected and accepted > 0 and steps < len(emitted)
+    finally:
+        await services.close()
 
 
 async def speculate(services, session: str, prompt_ids: list[int], k: int, eos: set[int]):
