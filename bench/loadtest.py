@@ -321,6 +321,9 @@ async def _server_info(stub, timeout: float) -> dict | None:
         "default_draft_tokens": None if info.adaptive_draft_tokens else info.default_draft_tokens,
         "max_draft_tokens": info.max_draft_tokens,
         "draft_quantization": info.draft.quantization,
+        "draft_device": info.draft.device,
+        "target_device": info.target.device,
+        "target_device_name": info.target.device_name,
         "workers": info.workers,
     }
 

@@ -53,7 +53,11 @@ class BenchSettings:
     max_new_tokens: int = DEFAULT_TOKENS
     draft_tokens: int | None = None  # None: adaptive (the orchestrator chooses K every step)
     draft_quantize: str | None = None  # the draft service's --quantize (None: its default)
-    dtype: str | None = None  # None: load_model's default for this machine
+    dtype: str | None = None  # None: load_model's default for the target's device
+    device: str = "auto"  # the target's --device: specd's target service and the HF target (model/devices.py)
+    draft_device: str = "auto"  # the draft's: specd's draft service and HF's assistant model
+    draft_cuda_graphs: str | None = None  # each service's --cuda-graphs (None: its default, auto)
+    target_cuda_graphs: str | None = None
     threads: int | None = None
     draft_model: str = "draft"
     target_model: str = "target"
@@ -113,7 +117,8 @@ class HFSystems:
         import torch
         from transformers.utils import logging as hf_logging
 
-        ids = torch.tensor([prompt_ids])
+        device = self.target.model.device  # the prompt goes where the target computes
+        ids = torch.tensor([prompt_ids], device=device)
         extra = {"assistant_model": self.draft.model} if assisted else {}
         models = (self.target.model, self.draft.model)
         saved = [model.generation_config for model in models]
@@ -127,6 +132,8 @@ class HFSystems:
                 output = self.target.model.generate(
                     ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens, **extra
                 )
+                if device.type == "cuda":  # the clock stops when the GPU is done, not when work is queued
+                    torch.cuda.synchronize(device)
                 seconds = time.perf_counter() - started
         finally:
             hf_logging.set_verbosity(verbosity)
@@ -188,12 +195,19 @@ async def run_bench(
 ) -> dict:
     """Start what is needed, run the interleaved benchmark, return the report (`report.build_report`).
 
-    `models`: an already loaded (draft, target) pair of LoadedModel to use for the HF systems
-    (default: load settings.draft_model / target_model in settings.dtype here).
+    `models`: an already loaded (draft, target) pair of LoadedModel to use for the HF systems, on
+    the devices they are on (default: load settings.draft_model / target_model in settings.dtype
+    here, the target on settings.device and the draft on settings.draft_device, as specd's services
+    place them, so HF and specd compute on the same GPU).
     """
+    from specd.model.devices import resolve_device
     from specd.model.loading import default_dtype, load_model
 
-    dtype = settings.dtype or default_dtype()
+    devices = {
+        "draft": resolve_device("draft", settings.draft_device),
+        "target": resolve_device("target", settings.device),
+    }
+    dtype = settings.dtype or default_dtype(devices["target"])
     environment = {"load_average_before": _load_average()}
     stack = None
     try:
@@ -209,16 +223,23 @@ async def run_bench(
                     target_model=settings.target_model,
                     workers=1,
                     draft_quantize=settings.draft_quantize,
+                    draft_device=settings.draft_device,
+                    target_device=settings.device,
+                    draft_cuda_graphs=settings.draft_cuda_graphs,
+                    target_cuda_graphs=settings.target_cuda_graphs,
                 ),
                 say=say,
             )
             await stack.start()
             address = stack.address
         if models is None:
-            say(f"loading the HF baselines ({settings.draft_model}, {settings.target_model}) in {dtype}")
+            say(
+                f"loading the HF baselines ({settings.draft_model} on {devices['draft']}, "
+                f"{settings.target_model} on {devices['target']}) in {dtype}"
+            )
             models = (
-                load_model(settings.draft_model, dtype, settings.threads),
-                load_model(settings.target_model, dtype, settings.threads),
+                load_model(settings.draft_model, dtype, settings.threads, device=devices["draft"]),
+                load_model(settings.target_model, dtype, settings.threads, device=devices["target"]),
             )
         hf = HFSystems(*models)
         runs = await _run_all(settings, hf, address, advance, say)
@@ -236,6 +257,7 @@ async def run_bench(
             "warmup": f"each system once on {WARMUP_PROMPT!r}",
             "timing": "HF: generate() wall time in process; specd: client wall time of the Generate stream",
             "dtype": str(models[1].dtype).removeprefix("torch."),
+            "hf_devices": {"draft": str(models[0].model.device), "target": str(models[1].model.device)},
             "server": settings.server,
             "server_info": server_info,
             "hf_assisted_generation": hf.assistant_defaults,
@@ -261,6 +283,12 @@ async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance
             say(
                 f"warning: the orchestrator serves {info['dtype']}, the HF baselines run in {hf_dtype}: "
                 "speeds and greedy_match compare unlike things"
+            )
+        hf_device = str(hf.target.model.device)
+        if info and info.get("target_device") and info["target_device"] != hf_device:
+            say(
+                f"warning: specd's target computes on {info['target_device']}, the HF target on {hf_device}: "
+                "the speeds compare unlike devices"
             )
         systems = {
             "hf_target": lambda ids, tokens: _sync(hf.run(ids, tokens, assisted=False)),
@@ -299,12 +327,15 @@ def _machine() -> dict:
     from specd.model.loading import _cpu_flags
 
     flags = _cpu_flags()
+    cuda = torch.cuda.is_available()
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.is_available(),
+        "cuda": cuda,
+        "cuda_version": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
         "machine": platform.machine(),
         "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
     }

@@ -6,10 +6,11 @@ interleaved per prompt (A B C D, A B C D, ...) so machine drift falls on all ali
   hf_assisted   generate(assistant_model=draft), transformers' assisted decoding
   specd_target  specd, speculation off (K = 0), through the gRPC services and the orchestrator
   specd_spec    specd speculative (K chosen every step, or a fixed --draft-tokens K)
-The HF models load in this process; specd runs as a local stack (three processes) in the
-same dtype, or at --server. Reports tokens/s, the ratios, α, c, the mean accepted length,
-the analytic best speed-up for the measured α and c, and whether specd's output equals the
-target's plain greedy output (greedy_match).
+The HF models load in this process, the target on --device and the draft on --draft-device, as
+specd places its services (so on a GPU both targets compute on the same one); specd runs as a
+local stack (three processes) in the same dtype, or at --server. Reports tokens/s, the ratios,
+α, c, the mean accepted length, the analytic best speed-up for the measured α and c, and whether
+specd's output equals the target's plain greedy output (greedy_match).
 """
 
 import argparse
@@ -20,7 +21,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag, write_report
+from specd.cli.common import (
+    UserError,
+    add_model_flags,
+    add_quantize_flag,
+    add_stack_device_flags,
+    check_stack_devices,
+    draft_tokens_flag,
+    write_report,
+)
 
 
 def add_parser(verbs) -> None:
@@ -68,6 +77,7 @@ def add_parser(verbs) -> None:
         help="draw tokens/s per system and acceptance by draft position",
     )
     add_model_flags(parser)
+    add_stack_device_flags(parser, "HF's and specd's: ", "specd's services: ")
     add_quantize_flag(parser, "--draft-quantize", "draft")
     parser.set_defaults(run=run)
 
@@ -125,6 +135,7 @@ def _settings(args):
         raise UserError("--max-new-tokens must be >= 1")
     if args.timeout <= 0:
         raise UserError("--timeout must be > 0")
+    graphs = check_stack_devices(args)  # before anything loads: e.g. --device cuda without a GPU, one line
     prompts_file = args.prompts or DEFAULT_PROMPTS
     try:
         prompts, kinds = systems.load_prompts(prompts_file)
@@ -147,6 +158,10 @@ def _settings(args):
         timeout=args.timeout,
         prompts_file=str(prompts_file),
         quick=args.quick,
+        device=args.device,
+        draft_device=args.draft_device,
+        draft_cuda_graphs=graphs["draft"],
+        target_cuda_graphs=graphs["target"],
     )
 
 

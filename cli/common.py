@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import re
 
 from specd.proto.limits import QUANTIZATIONS
 
@@ -16,7 +17,7 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         choices=("bfloat16", "float32"),
         default=None,
-        help="weights and compute dtype (default: bfloat16 where the CPU supports it, else float32)",
+        help="weights and compute dtype (default: bfloat16 on a GPU and where the CPU supports it, else float32)",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
 
@@ -57,3 +58,101 @@ def write_report(console, report: dict, json_path, plot_path, save_plot) -> None
     if plot_path:
         save_plot(report, plot_path)
         console.print(f"plot written to {plot_path}")
+
+
+# ---------------------------------------------------------------- devices (docs/architecture.md §4)
+
+DEVICE_FORM = re.compile(r"auto|cpu|cuda(:\d+)?")  # what specd.model.devices.resolve_device takes
+DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
+STACK_DEVICE_FLAGS = {"draft": "--draft-device", "target": "--device"}  # on up, generate and bench
+
+
+def add_device_flag(parser: argparse.ArgumentParser, flag: str, role: str, note: str = "") -> None:
+    """--device of one model service (`--draft-device` for the draft of a whole stack)."""
+    auto = (
+        "cuda:0 when a GPU is visible, else cpu"
+        if role == "target"
+        else "the CPU, the cheap device; name a GPU to put it on one"
+    )
+    parser.add_argument(
+        flag,
+        default="auto",
+        metavar="auto|cpu|cuda|cuda:N",
+        help=f"{note}where the {role} computes (default auto: {auto})",
+    )
+
+
+def add_cuda_graphs_flag(parser: argparse.ArgumentParser, services: str, note: str = "") -> None:
+    parser.add_argument(
+        "--cuda-graphs",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help=f"{note}capture the decode and verify steps of {services} in CUDA graphs "
+        "(default auto: on for a CUDA device, off on a CPU; off: eager only)",
+    )
+
+
+def add_stack_device_flags(parser: argparse.ArgumentParser, note: str = "", graphs_note: str = "") -> None:
+    """--device (the target's), --draft-device and --cuda-graphs: the same on up, generate and bench."""
+    add_device_flag(parser, "--device", "target", note)
+    add_device_flag(parser, "--draft-device", "draft", note)
+    add_cuda_graphs_flag(parser, "each service on a GPU", graphs_note or note)
+
+
+def device_choice(flag: str, value: str) -> str:
+    """A --device value in its normal form, or a UserError (checked without torch)."""
+    choice = (value or "auto").strip().lower()
+    if not DEVICE_FORM.fullmatch(choice):
+        raise UserError(f"{flag} {value}: unknown device; choose {DEVICE_CHOICES}")
+    return choice
+
+
+def resolve_here(role: str, flag: str, value: str):
+    """The torch.device `role` gets for `flag value` on this machine, or a one-line UserError when the
+    device does not exist here (e.g. --device cuda without a GPU). Imports torch."""
+    from specd.model.devices import DeviceUnavailable, resolve_device
+
+    choice = device_choice(flag, value)
+    try:
+        return resolve_device(role, choice)
+    except DeviceUnavailable as error:
+        raise UserError(str(error).replace("--device", flag)) from None  # e.g. --draft-device
+
+
+def check_service_device(role: str, args) -> None:
+    """`specd serve draft|target`: --device and --cuda-graphs checked before the server starts."""
+    device = resolve_here(role, "--device", args.device)
+    if args.cuda_graphs == "on" and device.type != "cuda":
+        raise UserError(f"--cuda-graphs on needs a CUDA device; this {role} runs on {device}")
+
+
+def check_stack_devices(args, here: bool = True) -> dict[str, str]:
+    """--device, --draft-device and --cuda-graphs of a whole stack (up, generate, bench), checked before
+    anything starts; returns the --cuda-graphs each service gets ({"draft": ..., "target": ...}).
+
+    `here`: the services run on this machine, so a CUDA device must exist here (this imports torch,
+    but only when a choice names CUDA or --cuda-graphs is on: auto and cpu always exist). On a Ray
+    cluster (`here=False`) only the form is checked; each service resolves its device on its node.
+    `--cuda-graphs on` turns graphs on for every service on a CUDA device (an error when none is);
+    a service on the CPU runs eager.
+    """
+    choices = {
+        role: device_choice(flag, getattr(args, flag[2:].replace("-", "_")))
+        for role, flag in STACK_DEVICE_FLAGS.items()
+    }
+    graphs = args.cuda_graphs
+    on_cuda: dict[str, bool | None] = {}  # None: decided on the node it lands on
+    for role, choice in choices.items():
+        if here and (choice.startswith("cuda") or graphs == "on"):
+            on_cuda[role] = resolve_here(role, STACK_DEVICE_FLAGS[role], choice).type == "cuda"
+        elif choice.startswith("cuda"):
+            on_cuda[role] = True
+        elif choice == "cpu" or role == "draft":  # the draft's auto is the CPU (specd.model.devices)
+            on_cuda[role] = False
+        else:
+            on_cuda[role] = None
+    if graphs != "on":
+        return dict.fromkeys(choices, graphs)
+    if not any(value is not False for value in on_cuda.values()):
+        raise UserError("--cuda-graphs on needs a CUDA device, and every service here runs on the CPU")
+    return {role: "on" if on_cuda[role] is not False else "off" for role in choices}

@@ -8,7 +8,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag, add_stack_device_flags, check_stack_devices
 from specd.proto.auth import add_client_flags, client_security_from_args
 
 
@@ -39,14 +39,17 @@ def add_parser(verbs) -> None:
     parser.add_argument("--draft-model", default="draft", help="embedded stack only: the draft model")
     parser.add_argument("--target-model", default="target", help="embedded stack only: the target model")
     add_model_flags(parser)
+    add_stack_device_flags(parser, "embedded stack only: ")
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    # the embedded stack's devices, checked before it starts (one line and exit 2, e.g. no GPU here)
+    graphs = check_stack_devices(args) if args.server is None else None
     try:
-        result = asyncio.run(_generate(args))
+        result = asyncio.run(_generate(args, graphs))
     except Exception as error:  # grpc errors carry an actionable message: show it, not a traceback
         if type(error).__name__ in ("AioRpcError", "TimeoutError", "RuntimeError", "PairMismatch"):
             raise UserError(_describe(error)) from error
@@ -58,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _generate(args) -> dict:
+async def _generate(args, graphs: dict[str, str] | None) -> dict:
     from specd.deploy.local import LocalStack, StackConfig
 
     stack = None
@@ -71,6 +74,10 @@ async def _generate(args) -> dict:
             target_model=args.target_model,
             draft_quantize=args.draft_quantize,
             target_quantize=args.target_quantize,
+            draft_device=args.draft_device,
+            target_device=args.device,
+            draft_cuda_graphs=graphs["draft"],
+            target_cuda_graphs=graphs["target"],
         )
         stack = await LocalStack(config).start()
         address = stack.address

@@ -27,7 +27,10 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     )
     fetch_parser.set_defaults(run=run_fetch)
 
-    list_parser = actions.add_parser("list", help="show the default pair and whether it is in the cache")
+    list_parser = actions.add_parser(
+        "list",
+        help="show the default pair, whether it is in the cache, and the device each role takes here (auto)",
+    )
     list_parser.set_defaults(run=run_list)
 
 
@@ -47,7 +50,37 @@ def run_list(args: argparse.Namespace) -> int:
     from specd.model.store import list_models
 
     _print_table(list_models())
+    _print_devices()
     return 0
+
+
+def _print_devices() -> None:
+    """The device each role takes under `--device auto` on this machine, and the GPUs torch sees."""
+    import torch
+
+    from specd.model.devices import device_memory, resolve_device
+
+    table = Table(title="devices here (--device auto)")
+    for column in ("role", "device", "name", "memory"):
+        table.add_column(column, no_wrap=column != "name")
+    for role in ROLES:
+        device = resolve_device(role, "auto")
+        memory = device_memory(device)
+        table.add_row(role, str(device), memory.name, _memory(memory, "host " if device.type == "cpu" else ""))
+    if torch.cuda.is_available():
+        gpus = [device_memory(torch.device("cuda", i)) for i in range(torch.cuda.device_count())]
+        table.caption = "GPUs visible: " + "; ".join(
+            f"cuda:{i} {gpu.name} ({_human_size(gpu.total_bytes)})" for i, gpu in enumerate(gpus)
+        )
+    else:
+        table.caption = f"no GPU visible (torch {torch.__version__}); --device cuda would fail here"
+    Console().print(table)
+
+
+def _memory(memory, kind: str) -> str:
+    if not memory.total_bytes:
+        return "unknown"
+    return f"{kind}{_human_size(memory.free_bytes)} free of {_human_size(memory.total_bytes)}"
 
 
 def _print_table(statuses: list) -> None:

@@ -4,11 +4,19 @@ import argparse
 import asyncio
 import logging
 
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag, draft_tokens_flag
+from specd.cli.common import (
+    UserError,
+    add_cuda_graphs_flag,
+    add_device_flag,
+    add_model_flags,
+    add_quantize_flag,
+    check_service_device,
+    draft_tokens_flag,
+)
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
-from specd.proto.limits import Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
@@ -27,6 +35,8 @@ def add_parser(verbs) -> None:
         )
         _add_address_flags(parser, role)
         add_model_flags(parser)
+        add_device_flag(parser, "--device", role)
+        add_cuda_graphs_flag(parser, f"the {role}")
         add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser)
         add_server_flags(parser)
@@ -86,7 +96,11 @@ def _add_limit_flags(parser) -> None:
     defaults = Limits()
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="live sessions at once")
     parser.add_argument(
-        "--max-cached-tokens", type=int, default=defaults.max_cached_tokens, help="KV-cached tokens over all sessions"
+        "--max-cached-tokens",
+        type=int,
+        default=AUTO_CACHED_TOKENS,
+        help="KV-cached tokens over all sessions (default 0 = auto: on a GPU, what fits in the device memory "
+        "free after loading; on a CPU, 262,144)",
     )
     parser.add_argument(
         "--max-session-tokens",
@@ -181,8 +195,18 @@ def run_model_service(args: argparse.Namespace) -> int:
     from specd.deploy.services import model_server
     from specd.serving.server import serve_until_signal
 
+    check_service_device(args.role, args)  # one line and exit 2 before anything starts, e.g. no GPU here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    server = model_server(args.role, args.model, args.dtype, args.threads, args.quantize, limits_from_args(args))
+    server = model_server(
+        args.role,
+        args.model,
+        args.dtype,
+        args.threads,
+        args.quantize,
+        limits_from_args(args),
+        device=args.device,
+        cuda_graphs=args.cuda_graphs,
+    )
     asyncio.run(
         serve_until_signal(
             server,

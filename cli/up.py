@@ -4,7 +4,7 @@ import argparse
 import asyncio
 import signal
 
-from specd.cli.common import add_model_flags, add_quantize_flag
+from specd.cli.common import UserError, add_model_flags, add_quantize_flag, add_stack_device_flags, check_stack_devices
 from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS
 
 
@@ -63,18 +63,33 @@ def add_parser(verbs) -> None:
         metavar="S",
         help="a server that answers no health check for this long is killed, and Ray restarts it",
     )
+    cluster.add_argument(
+        "--target-gpus",
+        type=float,
+        default=0,
+        metavar="N",
+        help="GPUs the target's actor asks Ray for (num_gpus; default 0: none in Ray's accounting, except a "
+        "target placed by GPU, on a cluster without a `target` resource, asks for 1). With N >= 1 Ray "
+        "assigns the actor its own GPU(s) and --device auto is the first of them (cuda:0 inside the actor)",
+    )
     add_model_flags(parser)
+    add_stack_device_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.target_gpus < 0:
+        raise UserError("--target-gpus must be >= 0")
+    # Before anything starts: a device that does not exist here is one line and exit 2. On a
+    # cluster each service resolves its device on its own node; only the form is checked here.
+    graphs = check_stack_devices(args, here=not args.ray_address)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the stack like Ctrl-C
-    return run_on_cluster(args) if args.ray_address else run_here(args)
+    return run_on_cluster(args, graphs) if args.ray_address else run_here(args, graphs)
 
 
-def run_on_cluster(args: argparse.Namespace) -> int:
+def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     from specd.deploy.cluster import ClusterConfig, ClusterStack
 
     stack = ClusterStack(
@@ -86,6 +101,11 @@ def run_on_cluster(args: argparse.Namespace) -> int:
             threads=args.threads,
             draft_quantize=args.draft_quantize,
             target_quantize=args.target_quantize,
+            draft_device=args.draft_device,
+            target_device=args.device,
+            draft_cuda_graphs=graphs["draft"],
+            target_cuda_graphs=graphs["target"],
+            target_gpus=args.target_gpus,
             draft_port=args.draft_port,
             target_port=args.target_port,
             port=args.port,
@@ -105,6 +125,7 @@ def run_on_cluster(args: argparse.Namespace) -> int:
         asyncio.run(stack.start())
         for deployed in stack.deployed:
             print(f"{deployed.name:<15} {deployed.address:<21} pid {deployed.pid}", flush=True)
+        print_devices(stack.address)
         print(
             f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops the stack)", flush=True
         )
@@ -116,7 +137,7 @@ def run_on_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_here(args: argparse.Namespace) -> int:
+def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     from specd.deploy.local import LocalStack, StackConfig
 
     stack = LocalStack(
@@ -135,12 +156,17 @@ def run_here(args: argparse.Namespace) -> int:
             workers=args.workers,
             draft_quantize=args.draft_quantize,
             target_quantize=args.target_quantize,
+            draft_device=args.draft_device,
+            target_device=args.device,
+            draft_cuda_graphs=graphs["draft"],
+            target_cuda_graphs=graphs["target"],
         )
     )
     try:
         asyncio.run(stack.start())
         for child in stack.children:
             print(f"{child.name:<13} {child.address:<17} metrics {child.metrics_url}")
+        print_devices(stack.address)
         print(f"{'OpenAI API':<13} {stack.http_url}   (curl {stack.http_url}/models)")
         print(f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops all three)")
         asyncio.run(_forever())
@@ -153,3 +179,42 @@ def run_here(args: argparse.Namespace) -> int:
 
 async def _forever() -> None:
     await asyncio.Event().wait()
+
+
+def print_devices(address: str) -> None:
+    """One line per model service: its device, the device's name, dtype and memory (the orchestrator's
+    Info relays each service's ModelInfo as it answers now)."""
+    try:
+        infos = asyncio.run(_service_infos(address))
+    except Exception as error:  # the stack runs regardless: this is only a report
+        print(f"(could not read the services' devices: {error})", flush=True)
+        return
+    for info in infos:
+        print(describe_device(info), flush=True)
+
+
+async def _service_infos(address: str) -> list:
+    from specd.proto.client import channel
+    from specd.v1 import common_pb2, specdecode_pb2_grpc
+
+    async with channel(address) as open_channel:
+        info = await specdecode_pb2_grpc.SpecDecodeStub(open_channel).Info(common_pb2.InfoRequest(), timeout=10)
+    return [info.draft, info.target]
+
+
+def describe_device(info) -> str:
+    """`target  cuda:0 (NVIDIA H200), bfloat16, memory 131.2 of 139.8 GiB free` from a ModelInfo
+    (a CPU's: `draft  cpu (AMD EPYC), bfloat16 int4, host memory 21.3 of 23.5 GiB free`)."""
+    quantized = f" {info.quantization}" if info.quantization not in ("", "none") else ""
+    host = "host " if info.device == "cpu" else ""
+    memory = (
+        f"{host}memory {_gib(info.device_memory_free_bytes)} of {_gib(info.device_memory_total_bytes)} GiB free"
+        if info.device_memory_total_bytes
+        else "memory unknown"
+    )
+    name = f" ({info.device_name})" if info.device_name else ""
+    return f"{info.role:<13} {info.device or '?'}{name}, {info.dtype}{quantized}, {memory}"
+
+
+def _gib(size: int) -> str:
+    return f"{size / 2**30:.1f}"

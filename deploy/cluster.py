@@ -2,7 +2,9 @@
 
 1. Place: the draft on a node offering a `draft` resource (else any node), the target on a
    node offering a `target` resource, else one with a GPU, else any node; orchestrator
-   replicas on nodes offering `orchestrator`, else anywhere.
+   replicas on nodes offering `orchestrator`, else anywhere. A target actor that asks Ray for
+   GPUs (`target_gpus`, or 1 when it is placed by GPU) sees only the GPU(s) Ray assigned it, so
+   its `--device auto` is cuda:0 inside the actor; each service resolves its device on its node.
 2. Start: each actor binds its gRPC server (0.0.0.0, a fixed port) in its constructor, so a
    restarted actor serves again on its own; the deployer waits for grpc.health.v1 SERVING.
 3. Watch: Ray restarts an actor whose process dies (max_restarts=-1); the deployer also
@@ -21,7 +23,7 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.orchestrator.remote import wait_until_serving
-from specd.proto.limits import Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 
 
 @dataclass
@@ -33,7 +35,16 @@ class ClusterConfig:
     threads: int | None = None  # torch threads per model service (default: the node's cores)
     draft_quantize: str = "auto"  # none, int8, int4 or auto (resolved on the draft's node: int4 without a GPU)
     target_quantize: str = "auto"
-    limits: Limits = field(default_factory=Limits)
+    draft_device: str = "auto"  # auto, cpu, cuda or cuda:N, resolved on the service's node (model/devices.py)
+    target_device: str = "auto"  # auto: cuda:0 of the actor when its node (or Ray) gives it a GPU, else cpu
+    draft_cuda_graphs: str = "auto"  # auto (on for a CUDA device), on or off
+    target_cuda_graphs: str = "auto"
+    # GPUs the target's actor asks Ray for (num_gpus). 0: none in Ray's accounting (Ray 2.60 then leaves
+    # CUDA_VISIBLE_DEVICES alone: the actor sees every GPU of its node), except that a target placed by
+    # GPU (no `target` resource in the cluster) asks for 1. With >= 1 Ray assigns it its own GPU(s).
+    target_gpus: float = 0
+    # max_cached_tokens 0: each service derives it from its device (as `specd serve` does by default)
+    limits: Limits = field(default_factory=lambda: Limits(max_cached_tokens=AUTO_CACHED_TOKENS))
     draft_port: int = 50061
     target_port: int = 50062
     port: int = 50051  # the orchestrator's gRPC port (replica i listens on port + i)
@@ -58,17 +69,19 @@ class Deployed:
     silent_since: float | None = None  # monotonic time of the first unanswered health check in a row
 
 
-def placement(role: str, resources: dict) -> dict:
+def placement(role: str, resources: dict, gpus: float = 0) -> dict:
     """Ray actor options that put `role` on the right kind of node of this cluster.
 
     A node offers a role as a custom resource of that name (`ray start --resources='{"draft": 1}'`);
-    asking for a sliver of it lets replicas share a node.
+    asking for a sliver of it lets replicas share a node. `gpus`: num_gpus the actor asks for (the
+    target's --target-gpus); a target placed by GPU, for want of a `target` resource, asks for 1 at least.
     """
     if role in resources:
-        return {"resources": {role: 0.01}, "num_cpus": 0}
+        options = {"resources": {role: 0.01}, "num_cpus": 0}
+        return {**options, "num_gpus": gpus} if gpus else options
     if role == "target" and resources.get("GPU", 0) >= 1:
-        return {"num_gpus": 1, "num_cpus": 0}
-    return {"num_cpus": 0}
+        return {"num_gpus": max(gpus, 1), "num_cpus": 0}
+    return {"num_gpus": gpus, "num_cpus": 0} if gpus else {"num_cpus": 0}
 
 
 @ray.remote
@@ -85,18 +98,24 @@ class ModelServiceActor:
         limits: Limits,
         port: int,
         metrics_port: int | None,
+        device: str = "auto",
+        cuda_graphs: str = "auto",
     ):
         self.port = port
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
-            self._serve(role, model, dtype, threads, quantize, limits, metrics_port)
+            self._serve(role, model, dtype, threads, quantize, limits, metrics_port, device, cuda_graphs)
         )
 
-    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port) -> None:
+    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port, device, cuda_graphs) -> None:
         from specd.deploy.services import model_server
         from specd.proto.metrics import start_exporter
 
-        self.server = model_server(role, model, dtype, threads, quantize, limits)
+        # `device` resolves here, in the actor: with num_gpus, Ray has set CUDA_VISIBLE_DEVICES to the
+        # GPU(s) it assigned, so auto and cuda mean cuda:0 of those
+        self.server = model_server(
+            role, model, dtype, threads, quantize, limits, device=device, cuda_graphs=cuda_graphs
+        )
         if not await self.server.start(f"0.0.0.0:{self.port}"):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
@@ -112,7 +131,7 @@ class ModelServiceActor:
         return f"{ray.util.get_node_ip_address()}:{self.port}", os.getpid()
 
     async def failure(self) -> str | None:
-        """Why the server stopped, if it did (e.g. the model would not load)."""
+        """Why the server stopped, if it did (e.g. the model would not load, or no GPU on this node)."""
         if self.serving.done() and self.serving.exception():
             return repr(self.serving.exception())
         return None
@@ -181,16 +200,19 @@ class ClusterStack:
 
     async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
         config = self.config
-        port, metrics_port, quantize = (
-            (config.draft_port, config.draft_metrics_port, config.draft_quantize)
-            if role == "draft"
-            else (config.target_port, config.target_metrics_port, config.target_quantize)
-        )
-        actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **placement(role, resources)).remote(
-            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port
+        if role == "draft":
+            port, metrics_port, quantize = config.draft_port, config.draft_metrics_port, config.draft_quantize
+            device, graphs, gpus = config.draft_device, config.draft_cuda_graphs, 0
+        else:
+            port, metrics_port, quantize = config.target_port, config.target_metrics_port, config.target_quantize
+            device, graphs, gpus = config.target_device, config.target_cuda_graphs, config.target_gpus
+        options = placement(role, resources, gpus)
+        actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **options).remote(
+            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port, device, graphs
         )
         deployed = await self._locate(Deployed(role, actor))
-        self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid})")
+        gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
+        self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid}, --device {device}{gpu_note})")
         await self._until_serving(deployed, timeout_s=900)
         return deployed
 

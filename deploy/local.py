@@ -35,6 +35,10 @@ class StackConfig:
     workers: int = 2
     draft_quantize: str | None = None  # None: the service's default (`auto`)
     target_quantize: str | None = None
+    draft_device: str | None = None  # auto, cpu, cuda or cuda:N; None: the service's default (`auto`)
+    target_device: str | None = None
+    draft_cuda_graphs: str | None = None  # auto, on or off; None: the service's default (`auto`)
+    target_cuda_graphs: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     extra_service_flags: list[str] = field(default_factory=list)
 
@@ -75,13 +79,29 @@ class LocalStack:
             "draft",
             config.draft_port,
             config.draft_metrics_port,
-            ["draft", "--model", config.draft_model, *model_flags, *_flags(quantize=config.draft_quantize)],
+            [
+                "draft",
+                "--model",
+                config.draft_model,
+                *model_flags,
+                *_flags(
+                    quantize=config.draft_quantize, device=config.draft_device, cuda_graphs=config.draft_cuda_graphs
+                ),
+            ],
         )
         target = self._spawn(
             "target",
             config.target_port,
             config.target_metrics_port,
-            ["target", "--model", config.target_model, *model_flags, *_flags(quantize=config.target_quantize)],
+            [
+                "target",
+                "--model",
+                config.target_model,
+                *model_flags,
+                *_flags(
+                    quantize=config.target_quantize, device=config.target_device, cuda_graphs=config.target_cuda_graphs
+                ),
+            ],
         )
         self.say(
             f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}"

@@ -5,8 +5,21 @@ built, so deploy/ itself stays torch-free (docs/architecture.md §1)."""
 from specd.proto.limits import Limits
 
 
-def model_server(role: str, model: str, dtype: str | None, threads: int | None, quantize: str, limits: Limits):
-    """A ModelServer for `role` ("draft" or "target"): start() binds it; load() loads the engine."""
+def model_server(
+    role: str,
+    model: str,
+    dtype: str | None,
+    threads: int | None,
+    quantize: str,
+    limits: Limits,
+    device: str = "auto",
+    cuda_graphs: str = "auto",
+):
+    """A ModelServer for `role` ("draft" or "target"): start() binds it; load() loads the engine.
+
+    `device`: auto, cpu, cuda or cuda:N, resolved for the role where the service runs
+    (model/devices.py: auto puts a target on cuda:0 when a GPU is visible, a draft on the CPU);
+    `cuda_graphs`: auto (on for a CUDA device), on or off."""
     from specd.model.loading import load_engine
 
     if role == "draft":
@@ -15,4 +28,9 @@ def model_server(role: str, model: str, dtype: str | None, threads: int | None, 
     else:
         from specd.target_service.server import create_target_server as create_server
         from specd.target_service.verifier import Verifier as service
-    return create_server(lambda: service(load_engine(role, model, dtype, threads, quantize), limits))
+
+    def load():
+        engine = load_engine(role, model, dtype, threads, quantize, device=device, cuda_graphs=cuda_graphs)
+        return service(engine, limits)
+
+    return create_server(load)

@@ -58,7 +58,8 @@ def _accept_greedy(draft_tokens: list[int], target_tokens: list[int]) -> Verdict
 def _accept_sampled(draft_tokens, p, q, sampling: Sampling, first_position: int) -> Verdict:
     """Modified rejection sampling: the emitted tokens follow p exactly, whatever q is.
     p(x) and q(x) of every guess cross to the host in one copy, not one per guess."""
-    rows, guesses = torch.arange(len(draft_tokens), device=p.device), torch.tensor(draft_tokens, device=p.device)
+    rows = torch.arange(len(draft_tokens), device=p.device)
+    guesses = torch.tensor(draft_tokens, dtype=torch.long, device=p.device)
     p_x, q_x = torch.stack([p[rows, guesses], q[rows, guesses]]).tolist()
     for i in range(len(draft_tokens)):
         position = first_position + i

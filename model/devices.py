@@ -5,6 +5,7 @@ GPUs Ray assigned it, as cuda:0..); the draft stays on the CPU, the "cheap devic
 given a GPU by name. bfloat16 is the default dtype on a GPU (model/loading.py: default_dtype).
 """
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,7 @@ def device_memory(device: torch.device) -> DeviceMemory:
     return DeviceMemory(_cpu_name(), *_host_memory())
 
 
+@functools.cache
 def _cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

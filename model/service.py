@@ -11,9 +11,7 @@ from specd.model.engine import Engine, Row
 from specd.model.errors import EngineError, InvalidRequest
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, SessionStore
-from specd.proto.limits import Limits
-
-AUTO = 0  # Limits.max_cached_tokens = 0: derive it from the device's free memory (a CPU: the default)
+from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 
 
 class ModelService:
@@ -24,7 +22,7 @@ class ModelService:
     def __init__(self, engine: Engine, limits: Limits):
         if limits.max_session_tokens > engine.description.max_positions:
             limits = replace(limits, max_session_tokens=engine.description.max_positions)
-        if limits.max_cached_tokens == AUTO:  # no --max-cached-tokens: what the device's memory holds
+        if limits.max_cached_tokens == AUTO_CACHED_TOKENS:  # no --max-cached-tokens: what the device's memory holds
             limits = replace(limits, max_cached_tokens=engine.kv_token_budget() or Limits().max_cached_tokens)
         self.engine = engine
         self.limits = limits

@@ -7,6 +7,9 @@ cluster deployer read these on machines without torch.
 from dataclasses import dataclass
 
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only schemes a model service offers (model/loading.py)
+# max_cached_tokens = 0: "auto", the service derives it from its device when it loads (model/service.py):
+# on a GPU what fits in the memory free after loading, on a CPU the default below.
+AUTO_CACHED_TOKENS = 0
 
 
 @dataclass(frozen=True)

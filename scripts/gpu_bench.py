@@ -102,8 +102,9 @@ class _Tokenless:
         return ""
 
 
-async def specd_loop(stack: Stack, prompts: list[list[int]], max_new_tokens: int, k: int) -> dict:
-    """Generation (propose, verify, commit) per prompt, one after another; K fixed (0 = target only)."""
+async def specd_loop(stack: Stack, prompts: list[list[int]], max_new_tokens: int, k: int, streams: int = 1) -> dict:
+    """Generation (propose, verify, commit) per prompt, one after another; K fixed (0 = target only).
+    With `streams` > 1, that many copies of each prompt run at once (the services batch them)."""
 
     async def run(ids: list[int], new_tokens: int):
         request = GenerationRequest(list(ids), new_tokens, draft_tokens=k, ignore_eos=True)
@@ -114,17 +115,18 @@ async def specd_loop(stack: Stack, prompts: list[list[int]], max_new_tokens: int
             finished = event if hasattr(event, "stats") else finished
         return tokens, finished.stats
 
-    await run(prompts[0], max_new_tokens)  # warm-up: captures the graphs the prompts will use
+    await asyncio.gather(*(run(prompts[0], max_new_tokens) for _ in range(streams)))  # warm-up: captures graphs
     started, outputs, drafted, accepted = time.perf_counter(), [], 0, 0
     for ids in prompts:
-        tokens, stats = await run(ids, max_new_tokens)
-        outputs.append(tokens)
-        drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
+        for tokens, stats in await asyncio.gather(*(run(ids, max_new_tokens) for _ in range(streams))):
+            outputs.append(tokens)
+            drafted, accepted = drafted + stats.drafted, accepted + stats.accepted
     seconds = time.perf_counter() - started
     return {
         "tokens_per_s": sum(map(len, outputs)) / seconds,
         "tokens": sum(map(len, outputs)),
         "k": k,
+        "streams": streams,
         "acceptance_rate": accepted / drafted if drafted else None,
         "outputs": outputs,
     }
@@ -230,9 +232,12 @@ async def main() -> None:
         async with Stack(draft, target, graphs) as stack:
             for name, k in (("target_only", 0), ("speculative", args.k)):
                 systems[f"specd_{name}_{mode}"] = await specd_loop(stack, prompts, args.max_new_tokens, k)
+            systems[f"specd_target_only_8_streams_{mode}"] = await specd_loop(
+                stack, prompts[:2], args.max_new_tokens, 0, streams=8
+            )
         async with Stack(target, target, graphs) as stack:  # the target drafting for itself: alpha = 1
             systems[f"specd_self_draft_{mode}"] = await specd_loop(stack, prompts, args.max_new_tokens, args.k)
-        for name in ("target_only", "speculative", "self_draft"):
+        for name in ("target_only", "speculative", "self_draft", "target_only_8_streams"):
             result = systems[f"specd_{name}_{mode}"]
             print(f"  specd_{name}_{mode} {result['tokens_per_s']:.1f} tok/s alpha={result['acceptance_rate']}")
         print(f"  step costs ({mode}): {report['step_costs'][mode]}", flush=True)
@@ -240,7 +245,7 @@ async def main() -> None:
     print("float32, outputs equal to eager target-only:", report["float32_greedy_equal"], flush=True)
     reference = systems["specd_target_only_eager"]["outputs"]
     report["greedy_outputs_equal_target_only"] = {
-        name: result["outputs"] == reference for name, result in systems.items() if "outputs" in result
+        name: result["outputs"] == reference for name, result in systems.items() if result.get("streams") == 1
     }
     for result in systems.values():
         result.pop("outputs", None)

@@ -74,6 +74,15 @@ tests_status=0
 SPECD_TEST_TOKENIZER=${SPECD_TEST_TOKENIZER:-$PWD/.gpu/tokenizer} "$py" -m pytest -m gpu -q -p no:cacheprovider \
   --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py tests/test_real_pair.py || tests_status=$?
 
+if "$py" -c "import ray" 2>/dev/null && [ "$target" != "$work/models/target" ]; then
+  # Where Ray and the fetched pair are here (an installed GPU node), specd's own bench too, the whole
+  # stack (orchestrator on Ray), eager and with graphs. The lent GPU machine has neither.
+  for graphs in off on; do
+    say "specd bench --quick --cuda-graphs $graphs"
+    "$py" -m specd.cli bench --quick --device cuda --cuda-graphs "$graphs" --json "$results/gpu_bench_graphs_$graphs.json"
+  done
+fi
+
 say "bench"
 "$py" scripts/gpu_bench.py --target "$target" --draft "$draft" --device cuda --tests "$work/gpu_tests.xml" \
   --out "$results/gpu_check.json"

@@ -8,9 +8,35 @@ if [ ! -x .venv/bin/python ]; then
   "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
+# torch is pinned exactly in model/pyproject.toml (torch==2.13.0). That pin matches both the CPU wheel
+# (2.13.0+cpu, which this machine's pip configuration finds in its find-links folder, PIP_FIND_LINKS /
+# pip.conf) and PyPI's Linux wheel of 2.13.0, which is the CUDA build; pip prefers the +cpu one.
+# - Without an NVIDIA driver (no `nvidia-smi -L`): nothing to do here; the install below takes the CPU
+#   wheel as before, not a multi-GB CUDA build.
+# - With one: install the CUDA build of the same pin first: `torch===2.13.0` matches 2.13.0 and not
+#   2.13.0+cpu, and PIP_FIND_LINKS=" " sets the find-links folder aside for this one command. The
+#   install below then finds its pin satisfied. PyPI's 2.13.0 is built for CUDA 13.0 (it needs a
+#   recent driver, 580 or later); if it cannot be installed, the CPU wheel stays, with a warning.
+# SPECD_TORCH=cpu|cuda overrides the detection (a torch already installed that meets the pin stays:
+# `.venv/bin/pip uninstall torch` first to switch builds). Untested on a GPU machine: only the CPU
+# path has run here (and in CI); the CUDA path's pip resolution was checked with --dry-run.
+torch_build=${SPECD_TORCH:-auto}
+if [ "$torch_build" = auto ]; then
+  torch_build=cpu
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+    torch_build=cuda
+  fi
+fi
+if [ "$torch_build" = cuda ]; then
+  torch_pin=$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' model/pyproject.toml)
+  echo "NVIDIA driver found: installing the CUDA build of torch $torch_pin (PyPI's)"
+  if ! PIP_FIND_LINKS=" " .venv/bin/python -m pip install --quiet "torch===$torch_pin"; then
+    echo "warning: could not install the CUDA build of torch $torch_pin; installing the CPU wheel:" \
+      "the models will compute on the CPU" >&2
+  fi
+fi
 # Every component folder is a distribution of its own (PEP 420 parts of the `specd` namespace);
-# one pip command installs them all, editable, with the workspace's test tools. torch is pinned
-# exactly in model/pyproject.toml: the local CPU wheel, not a multi-GB CUDA build.
+# one pip command installs them all, editable, with the workspace's test tools.
 editable=()
 for component in proto model serving draft_service target_service orchestrator deploy bench cli; do
   editable+=(-e "./$component")

@@ -9,6 +9,7 @@ import grpc
 import numpy as np
 import torch
 
+from specd.model.devices import device_memory
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Scheduler
@@ -62,6 +63,7 @@ def q_row_from_proto(row: draft_pb2.SparseDistribution) -> tuple[torch.Tensor, t
 
 def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelInfo:
     described, limits = service.engine.description, service.limits
+    memory = device_memory(torch.device(described.device))  # live: free memory as of this call
     return common_pb2.ModelInfo(
         model=described.name,
         role=service.role,
@@ -80,4 +82,8 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         batch_sizes=dict(scheduler.batch_sizes),
         queued_calls=scheduler.queue_depth,
         quantization=described.quantization,
+        device=described.device,
+        device_name=memory.name,
+        device_memory_total_bytes=memory.total_bytes,
+        device_memory_free_bytes=memory.free_bytes,
     )

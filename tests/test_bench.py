@@ -266,6 +266,9 @@ def test_quick_takes_the_first_prompts_and_fewer_tokens():
         target_model="target",
         server=None,
         draft_quantize="auto",
+        device="auto",
+        draft_device="auto",
+        cuda_graphs="auto",
     )
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == systems.QUICK_PROMPTS and settings.max_new_tokens == systems.QUICK_TOKENS

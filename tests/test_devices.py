@@ -2,10 +2,16 @@
 visible (marker `gpu`; scripts/gpu_check.sh runs them there). Real gRPC services on real ports,
 real engines: only the device changes."""
 
+import signal
+import subprocess
+import sys
+
+import grpc
 import pytest
 import torch
-from conftest import DEVICES, GPU, start_services
+from conftest import DEVICES, GPU, requires_gpu, start_services
 
+from specd.deploy.local import free_port
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.devices import DeviceUnavailable, resolve_device
 from specd.model.engine import Row
@@ -14,10 +20,12 @@ from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.generation import Generation, GenerationRequest
+from specd.orchestrator.remote import wait_until_serving
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 from specd.serving.messages import q_row_from_proto, q_row_to_proto
 from specd.target_service.verifier import Verifier, VerifyCall
+from specd.v1 import common_pb2, target_pb2_grpc
 
 PROMPTS = [list(range(1000, 1009)), list(range(2000, 2004)), list(range(3000, 3015))]
 
@@ -216,3 +224,37 @@ def test_running_out_of_device_memory_is_resource_exhausted_and_leaves_every_ses
             got = [(r.accepted, r.emitted_tokens, r.cached_tokens) for r in results]
         else:
             assert got == [(r.accepted, r.emitted_tokens, r.cached_tokens) for r in results]
+
+
+# -- `specd serve` on a GPU ---------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@requires_gpu
+async def test_specd_serve_target_on_a_gpu_reports_it_and_sizes_its_cache_from_device_memory(tiny_dirs, tmp_path):
+    """A real `specd serve target --device cuda` process: Info says cuda:0, the GPU's name, its
+    memory, bfloat16 by default, and a KV budget derived from free device memory; a GPU past the
+    last one is one line and exit status 2."""
+    missing = subprocess.run(
+        [sys.executable, "-m", "specd.cli", "serve", "target", "--device", f"cuda:{torch.cuda.device_count()}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    port, log = free_port(), tmp_path / "target.log"
+    command = [sys.executable, "-m", "specd.cli", "serve", "target", "--model", str(tiny_dirs["target"])]
+    command += ["--device", "cuda", "--port", str(port), "--no-metrics"]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        await wait_until_serving(f"127.0.0.1:{port}", timeout_s=180)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            info = await target_pb2_grpc.TargetServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+        assert (info.device, info.device_name, info.dtype) == ("cuda:0", torch.cuda.get_device_name(0), "bfloat16")
+        assert 0 < info.device_memory_free_bytes <= info.device_memory_total_bytes
+        per_token = 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 KV heads, head dim 16, bfloat16
+        assert Limits().max_cached_tokens < info.max_cached_tokens <= info.device_memory_free_bytes // per_token
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    assert process.returncode == 0, log.read_text()[-3000:]

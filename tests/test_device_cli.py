@@ -1,0 +1,244 @@
+"""The device flags around the engine (issue 15): `--device`, `--draft-device` and `--cuda-graphs` on
+`specd serve`, `up`, `generate` and `bench` reach load_engine (as real processes and Ray actors do it),
+a device that does not exist here is one line on stderr and exit status 2 before anything starts,
+and a service's Info says where it computes (device, its name, total and free memory)."""
+
+import asyncio
+import signal
+import subprocess
+import sys
+import time
+
+import grpc
+import psutil
+import pytest
+import torch
+
+from specd.cli import build_parser
+from specd.cli.common import UserError, check_stack_devices
+from specd.deploy.cluster import ModelServiceActor, placement
+from specd.deploy.local import free_port
+from specd.orchestrator.remote import wait_until_serving
+from specd.proto.limits import Limits
+from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+
+NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is visible here: --device cuda exists")
+CPU_KV_BUDGET = 262_144  # --max-cached-tokens 0 (auto) on a CPU (model/service.py)
+
+
+def specd(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_exit_2(result: subprocess.CompletedProcess, *words: str) -> str:
+    assert result.returncode == 2, (result.returncode, result.stdout[-2000:], result.stderr[-3000:])
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr  # nothing started: no "loading ..." line, no server output
+    assert lines[0].startswith("specd: error: ")
+    for word in words:
+        assert word in lines[0], lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+# ---------------------------------------------------------------- a device that is not here: one line, exit 2
+
+EVERY_COMMAND = {
+    "serve target": ["serve", "target"],
+    "serve draft": ["serve", "draft"],
+    "up": ["up"],
+    "generate": ["generate", "def f():"],
+    "bench": ["bench", "--quick"],
+}
+
+
+@NO_GPU
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+def test_device_cuda_without_a_gpu_is_one_line_and_exit_2(command):
+    line = assert_one_line_exit_2(specd(*EVERY_COMMAND[command], "--device", "cuda"), "--device cuda", "no CUDA GPU")
+    assert "use --device cpu or auto" in line
+
+
+@NO_GPU
+@pytest.mark.parametrize("command", ["up", "generate", "bench"])
+def test_draft_device_cuda_without_a_gpu_names_its_own_flag(command):
+    line = assert_one_line_exit_2(specd(*EVERY_COMMAND[command], "--draft-device", "cuda:1"), "--draft-device cuda:1")
+    assert "--device" not in line.replace("--draft-device", "")
+
+
+@pytest.mark.parametrize("command", EVERY_COMMAND)
+def test_an_unknown_device_is_one_line_and_exit_2(command):
+    assert_one_line_exit_2(specd(*EVERY_COMMAND[command], "--device", "bogus"), "--device bogus", "cuda:N")
+
+
+def test_an_unknown_device_for_a_cluster_is_refused_before_ray_is_reached():
+    # 127.0.0.1:1 answers nothing: the device's form is checked first, without torch or Ray
+    assert_one_line_exit_2(specd("up", "--ray-address", "127.0.0.1:1", "--draft-device", "tpu"), "--draft-device tpu")
+
+
+def test_cuda_graphs_on_a_cpu_device_is_one_line_and_exit_2():
+    assert_one_line_exit_2(specd("serve", "target", "--device", "cpu", "--cuda-graphs", "on"), "--cuda-graphs on")
+    assert_one_line_exit_2(specd("up", "--device", "cpu", "--cuda-graphs", "on"), "--cuda-graphs on")
+
+
+# ---------------------------------------------------------------- the flags as the stack passes them on
+
+
+def stack_args(*argv: str):
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_cuda_graphs_on_goes_to_the_services_on_a_gpu_only():
+    # On a cluster the devices resolve on the nodes: only the form is checked here (no torch needed)
+    assert check_stack_devices(stack_args(), here=False) == {"draft": "auto", "target": "auto"}
+    assert check_stack_devices(stack_args("--cuda-graphs", "off"), here=False) == {"draft": "off", "target": "off"}
+    # the draft's auto is the CPU: it runs eager; the target's auto may be a GPU there
+    assert check_stack_devices(stack_args("--cuda-graphs", "on"), here=False) == {"draft": "off", "target": "on"}
+    both = stack_args("--cuda-graphs", "on", "--draft-device", "cuda:1")
+    assert check_stack_devices(both, here=False) == {"draft": "on", "target": "on"}
+    with pytest.raises(UserError, match="--cuda-graphs on needs a CUDA device"):
+        check_stack_devices(stack_args("--cuda-graphs", "on", "--device", "cpu"), here=False)
+    with pytest.raises(UserError, match="--device CUDA:x: unknown device"):
+        check_stack_devices(stack_args("--device", "CUDA:x"), here=False)
+    assert check_stack_devices(stack_args("--device", " CUDA:0 "), here=False) == {"draft": "auto", "target": "auto"}
+
+
+def test_a_target_actor_asks_ray_for_the_gpus_it_is_given():
+    assert placement("target", {"CPU": 8, "GPU": 2, "target": 1}, gpus=1) == {
+        "resources": {"target": 0.01},
+        "num_cpus": 0,
+        "num_gpus": 1,
+    }
+    assert placement("target", {"CPU": 8, "GPU": 2}, gpus=2) == {"num_gpus": 2, "num_cpus": 0}  # placed by GPU
+    assert placement("target", {"CPU": 8, "GPU": 2}) == {"num_gpus": 1, "num_cpus": 0}
+    assert placement("target", {"CPU": 8, "target": 1}) == {"resources": {"target": 0.01}, "num_cpus": 0}
+    args = build_parser().parse_args(["up", "--ray-address", "auto", "--target-gpus", "1"])
+    assert args.target_gpus == 1 and build_parser().parse_args(["up"]).target_gpus == 0
+
+
+# ---------------------------------------------------------------- real processes: Info says where each computes
+
+
+async def info_of(role: str, address: str) -> common_pb2.ModelInfo:
+    stub = draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await stub(channel).Info(common_pb2.InfoRequest(), timeout=10)
+
+
+def assert_on_the_cpu(info: common_pb2.ModelInfo) -> None:
+    assert info.device == "cpu"
+    assert info.device_name.strip()
+    assert info.device_memory_total_bytes > 0
+    assert 0 < info.device_memory_free_bytes <= info.device_memory_total_bytes
+
+
+@pytest.mark.parametrize("role, flags", [("target", []), ("draft", ["--cuda-graphs", "off", "--quantize", "none"])])
+async def test_specd_serve_on_the_cpu_reports_its_device_in_info(tiny_dirs, tmp_path, role, flags):
+    port = free_port()
+    log = tmp_path / f"{role}.log"
+    command = [sys.executable, "-m", "specd.cli", "serve", role, "--model", str(tiny_dirs[role]), "--dtype", "float32"]
+    command += ["--threads", "1", "--device", "cpu", *flags, "--port", str(port), "--no-metrics"]
+    process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        await wait_until_serving(f"127.0.0.1:{port}", timeout_s=120)
+        first = await info_of(role, f"127.0.0.1:{port}")
+        assert_on_the_cpu(first)
+        assert first.role == role and first.dtype == "float32"
+        assert first.max_cached_tokens == CPU_KV_BUDGET  # --max-cached-tokens defaults to 0: auto, on a CPU this
+        second = await info_of(role, f"127.0.0.1:{port}")  # read again at each call: the same device
+        assert (second.device, second.device_memory_total_bytes) == (first.device, first.device_memory_total_bytes)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(30)
+    assert process.returncode == 0, log.read_text()[-3000:]
+
+
+def test_specd_up_passes_the_devices_on_and_prints_where_each_service_computes(tiny_dirs, tmp_path):
+    ports = {flag: str(free_port()) for flag in ("--port", "--http-port", "--draft-port", "--target-port")}
+    ports |= {flag: str(free_port()) for flag in ("--metrics-port", "--draft-metrics-port", "--target-metrics-port")}
+    command = [sys.executable, "-m", "specd.cli", "up", "--dtype", "float32", "--threads", "1", "--workers", "1"]
+    command += ["--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"])]
+    command += ["--device", "cpu", "--draft-device", "cpu", "--cuda-graphs", "off"]
+    command += [item for pair in ports.items() for item in pair]
+    log = tmp_path / "up.log"
+    up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), stdin=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    services: dict[str, psutil.Process] = {}
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                break
+            lines.append(line.rstrip())
+            if line.startswith("ready:"):
+                break
+        assert lines and lines[-1].startswith("ready:"), "\n".join(lines) + log.read_text()[-3000:]
+        for child in psutil.Process(up.pid).children():
+            argv = command_line(child)
+            if "serve" in argv:
+                services[argv[argv.index("serve") + 1]] = child
+        for role in ("draft", "target"):
+            argv = " ".join(command_line(services[role]))
+            assert "--device cpu" in argv and "--cuda-graphs off" in argv, argv
+            printed = [line for line in lines if line.split()[:1] == [role] and " cpu (" in line]
+            assert len(printed) == 1, (
+                lines
+            )  # e.g. "target        cpu (AMD EPYC), float32, host memory 21.3 of 23.5 GiB free"
+            assert " memory " in printed[0] and " GiB free" in printed[0]
+        assert ", float32, host memory " in next(
+            line for line in lines if line.startswith("target ") and " cpu (" in line
+        )
+        target_info = asyncio.run(info_of("target", f"127.0.0.1:{ports['--target-port']}"))
+        assert_on_the_cpu(target_info)
+    finally:
+        up.send_signal(signal.SIGTERM)
+        try:
+            up.wait(60)
+        except subprocess.TimeoutExpired:
+            up.kill()
+            up.wait()
+    gone, alive = psutil.wait_procs(list(services.values()), timeout=30)
+    assert not alive, "specd up must stop its services"
+
+
+def command_line(process: psutil.Process) -> list[str]:
+    try:
+        return process.cmdline()
+    except psutil.Error:  # ended meanwhile
+        return []
+
+
+# ---------------------------------------------------------------- the cluster's actors hand the flags to load_engine
+
+
+async def actor_failure(actor, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    await actor.where.remote()
+    while time.monotonic() < deadline:
+        if why := await actor.failure.remote():
+            return why
+        await asyncio.sleep(0.25)
+    raise AssertionError("the service loaded: its device was not checked")
+
+
+async def test_a_service_actor_hands_device_and_cuda_graphs_to_load_engine(tiny_dirs, ray_local):
+    """No command line in between (it would refuse these first): load_engine itself refuses them."""
+    model = str(tiny_dirs["target"])
+    cases = {"on a CPU": ("cpu", "on", "--cuda-graphs on needs a CUDA device")}
+    if not torch.cuda.is_available():
+        cases["no GPU"] = ("cuda", "auto", "no CUDA GPU is visible")
+    actors = {
+        name: ModelServiceActor.options(num_cpus=0).remote(
+            "target", model, "float32", 1, "auto", Limits(), free_port(), None, device, graphs
+        )
+        for name, (device, graphs, _) in cases.items()
+    }
+    try:
+        failures = await asyncio.gather(*(actor_failure(actor) for actor in actors.values()))
+        for (name, (_, _, expected)), why in zip(cases.items(), failures):
+            assert "DeviceUnavailable" in why and expected in why, (name, why)
+    finally:
+        for actor in actors.values():
+            ray_local.kill(actor)
