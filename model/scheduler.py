@@ -32,6 +32,16 @@ class Job:
     session_id: str = ""
     abandoned: Callable[[], str | None] = lambda: None  # why it should not run, if so
     future: Future = field(default_factory=Future)
+    served_by: "Pass | None" = None  # the pass that ran it, once it ran
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One run of the model over a batch of calls: what the orchestrator's K chooser prices."""
+
+    calls: int
+    tokens: int  # new tokens over all its calls
+    seconds: float  # compute time, no queueing
 
 
 @dataclass(frozen=True)
@@ -133,11 +143,14 @@ class Scheduler:
             return
         if live[0].kind is not None:
             self.batch_sizes[len(live)] += 1
+        started = time.perf_counter()
         try:
             results = live[0].run([job.payload for job in live])
         except BaseException as error:  # a bug or out of memory: every call in the pass fails with it
             results = [error] * len(live)
+        served = Pass(len(live), sum(job.cost for job in live), time.perf_counter() - started)
         for job, result in zip(live, results):
+            job.served_by = served
             if isinstance(result, BaseException):
                 job.future.set_exception(result)
             else:

@@ -11,6 +11,14 @@ speculative step, one for a decode. The chooser takes K maximising E[tokens](K) 
 over 0..max_k, from running estimates: α per request (starting from the worker's recent
 average), the costs per worker (shared by its requests, so they follow the load).
 
+Under load t_verify(K) is priced at the load: the services say, with every batched call, how
+many calls and new tokens the pass that served it carried and what it cost, and the worker fits
+a pass's seconds as a + b·tokens over recent passes. With B calls per pass, every stream
+drafting K puts B·(K + 1) tokens in the next pass: t_verify(K) = a + b·B·(K + 1). Where a pass
+is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
+rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
+load), K shrinks and turns off, and turns back on when B falls.
+
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
@@ -52,6 +60,42 @@ class Ewma:
         self.value = sample if self.value is None else self.value + self.weight * (sample - self.value)
 
 
+@dataclass(frozen=True)
+class PassCost:
+    """One batched pass of a service, as it reports it with each call it served."""
+
+    calls: int
+    tokens: int  # new tokens over all its calls
+    seconds: float  # compute, no queueing
+
+
+class PassTime:
+    """A pass's seconds as a + b·tokens, a least-squares fit over recent passes, each weighing
+    TIME_WEIGHT more than the one before. Passes all of one size say nothing new about b: it
+    keeps what the last spread of sizes said."""
+
+    def __init__(self, weight: float = TIME_WEIGHT):
+        self.weight = weight
+        self.sums = [0.0] * 5  # of w, w·n, w·n², w·y, w·n·y
+        self.a: float | None = None
+        self.b = 0.0
+        self.sloped = False  # b is measured (two sizes of pass seen), not assumed 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        keep = 1 - self.weight
+        self.sums = [
+            keep * total + term for total, term in zip(self.sums, (1, tokens, tokens**2, seconds, tokens * seconds))
+        ]
+        w, n, nn, y, ny = self.sums
+        spread = w * nn - n * n
+        if spread > 1e-6 * w * nn:
+            self.b, self.sloped = max(0.0, (w * ny - n * y) / spread), True
+        self.a = max(0.0, (y - self.b * n) / w)
+
+    def seconds(self, tokens: float) -> float:
+        return self.a + self.b * tokens
+
+
 @dataclass
 class ServiceCosts:
     """What the pair costs, measured on every call: one per orchestrator worker, shared by its requests."""
@@ -61,17 +105,28 @@ class ServiceCosts:
     rtt_draft: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
     rtt_target: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
     alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))
+    target_pass: PassTime = field(default_factory=PassTime)  # the target's batched passes
+    target_calls: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # calls per target pass: the load B
+
+    def record_target_pass(self, served: PassCost) -> None:
+        self.target_pass.add(served.tokens, served.seconds)
+        self.target_calls.add(served.calls)
 
     def record_verify(self, k: int, seconds: float, rtt: float) -> None:
         self.verify_by_k.setdefault(k, Ewma(TIME_WEIGHT)).add(seconds)
         self.rtt_target.add(rtt)
 
-    def record_draft(self, k: int, seconds: float, rtt: float) -> None:
-        self.draft_per_token.add(seconds / k)
+    def record_draft(self, k: int, seconds: float, rtt: float, served: PassCost | None = None) -> None:
+        """A Propose of K: its time per guess; the pass's compute when the draft said it (under load
+        the call also queued), else the call's."""
+        self.draft_per_token.add((served.seconds if served else seconds) / k)
         self.rtt_draft.add(rtt)
 
     def verify_seconds(self, k: int) -> float | None:
-        """t_verify(K): measured, else interpolated between measured K, else extended along the last slope."""
+        """t_verify(K): at the current load from the passes' fit (see the module's docstring), else
+        measured per K: interpolated between measured K, else extended along the last slope."""
+        if self.target_pass.sloped:
+            return self.target_pass.seconds(max(1.0, self.target_calls.value) * (k + 1))
         known = sorted((n, e.value) for n, e in self.verify_by_k.items())
         if not known:
             return None

@@ -194,19 +194,10 @@ class Generation:
         return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
 
     async def prefill(self) -> None:
-        """Both services cache the prompt (in parallel); a draft not asked now is prefilled by its first Propose."""
-        drafting = self.speculating and self.draft_gate.is_open()
-        await asyncio.gather(self.target.prefill(self.committed), *([self.prefill_draft()] if drafting else []))
-
-    async def prefill_draft(self) -> None:
-        """The draft is optional: if it fails, steps run target-only until it is back (then it is prefilled)."""
-        try:
-            await self.draft.prefill(self.committed)
-        except ServiceFailed as failure:
-            if self.draft.spent():
-                raise  # the request ran out of time, not the draft
-            self.draft_gate.failed()
-            log.warning("draft prefill failed, continuing target-only: %s", failure)
+        """The target caches the prompt. The first token never waits for the draft: the first step
+        is target-only, and the draft is prefilled by its first Propose (the cursor from 0), so a
+        request the chooser keeps target-only never touches the draft at all."""
+        await self.target.prefill(self.committed)
 
     async def step(self) -> tuple[list[int], str | None]:
         """One step: propose -> verify -> commit. Returns the committed tokens and a finish reason (None: go on)."""
@@ -230,8 +221,11 @@ class Generation:
         return self.commit(list(verdict.emitted_tokens))
 
     def draft_length(self) -> int:
-        """K for this step: fixed, or the chooser's; never more than the tokens left minus the target's own."""
+        """K for this step: fixed, or the chooser's; never more than the tokens left minus the target's
+        own; 0 for the first step (the first token comes from the target alone)."""
         left = self.request.max_new_tokens - self.generated
+        if self.stats.steps == 0:
+            return 0
         if self.chooser:
             return self.chooser.next_k(left)
         return max(0, min(self.request.draft_tokens, left - 1))
@@ -263,8 +257,10 @@ class Generation:
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
         draft_rtt = draft[0] - draft_s
         self.costs.record_verify(k, verify_s, network_s - draft_rtt)
+        if self.target.last_pass:
+            self.costs.record_target_pass(self.target.last_pass)
         if k and self.draft_in_step:  # after target-only steps the call also caught up on their tokens
-            self.costs.record_draft(k, draft_s, draft_rtt)
+            self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
         if k and self.chooser:
             self.chooser.observe(k, accepted)
         self.draft_in_step = k > 0

@@ -23,8 +23,17 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from specd.orchestrator.adaptive import PassCost
 from specd.orchestrator.faults import Backoff, FaultPolicy, ServiceFailed
-from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY, SERVICE_SECONDS_KEY, fingerprint
+from specd.proto.contract import (
+    HELD_FINGERPRINT_KEY,
+    HELD_TOKENS_KEY,
+    PASS_CALLS_KEY,
+    PASS_SECONDS_KEY,
+    PASS_TOKENS_KEY,
+    SERVICE_SECONDS_KEY,
+    fingerprint,
+)
 from specd.v1 import common_pb2, draft_pb2, target_pb2
 
 log = logging.getLogger("specd.orchestrator")
@@ -56,6 +65,7 @@ class RemoteSession:
         self.held: list[int] | None = None  # the record; None: no session there yet (or lost): Prefill first
         self.opened = False  # a Prefill was sent: Release at the end
         self.resyncs = 0
+        self.last_pass: PassCost | None = None  # the batched pass that served the last call, as it said
 
     def timeout(self, cap: float | None = None) -> float:
         """Timeout of one call: min(seconds left of the request's deadline, the per-call cap)."""
@@ -157,7 +167,8 @@ class RemoteSession:
                 try:
                     if self.held is None:
                         await self._open(committed)  # new, restarted or evicted: a full prefill
-                    return await _served(send(self.cursor(committed)))
+                    reply, seconds, self.last_pass = await _served(send(self.cursor(committed)))
+                    return reply, seconds
                 except grpc.aio.AioRpcError as error:
                     if not resyncs_left or error.code() not in RESYNC_CODES:
                         raise
@@ -213,10 +224,16 @@ class RemoteSession:
 
 
 async def _served(call: grpc.aio.UnaryUnaryCall) -> tuple:
-    """Await a call; returns (reply, seconds the service says it spent on it, or None)."""
+    """Await a call; returns (reply, seconds the service says it spent on it or None, the pass
+    that served it or None)."""
     reply = await call
-    seconds = dict(await call.trailing_metadata() or ()).get(SERVICE_SECONDS_KEY)
-    return reply, None if seconds is None else float(seconds)
+    said = dict(await call.trailing_metadata() or ())
+    seconds = said.get(SERVICE_SECONDS_KEY)
+    try:
+        served = PassCost(int(said[PASS_CALLS_KEY]), int(said[PASS_TOKENS_KEY]), float(said[PASS_SECONDS_KEY]))
+    except (KeyError, ValueError):
+        served = None
+    return reply, None if seconds is None else float(seconds), served
 
 
 def _agreed_prefix(error: grpc.aio.AioRpcError, committed: list[int]) -> list[int]:

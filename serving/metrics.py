@@ -58,7 +58,8 @@ class _CallInterceptor(grpc.aio.ServerInterceptor):
             code = "OK"
             try:
                 reply = await behavior(request, context)
-                context.set_trailing_metadata(((SERVICE_SECONDS_KEY, f"{time.perf_counter() - started:.6f}"),))
+                seconds = (SERVICE_SECONDS_KEY, f"{time.perf_counter() - started:.6f}")
+                context.set_trailing_metadata((*(context.trailing_metadata() or ()), seconds))
                 return reply
             except BaseException:
                 code = _status_name(context)

@@ -14,6 +14,7 @@ import grpc
 from specd.model.errors import EngineError
 from specd.model.scheduler import Abandoned, Bounds, Job, Scheduler
 from specd.model.service import ModelService
+from specd.proto.contract import PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY
 from specd.serving.messages import abort_with, model_info
 from specd.v1 import common_pb2
 
@@ -56,7 +57,14 @@ class ModelThread:
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model is {state}; watch grpc.health.v1")
         job.abandoned = _abandoned_check(context)
         try:
-            return await asyncio.wrap_future(self.scheduler.submit(job))
+            result = await asyncio.wrap_future(self.scheduler.submit(job))
+            if job.kind is not None:  # a batched call: say what its pass carried and cost
+                served = job.served_by
+                context.set_trailing_metadata(
+                    ((PASS_CALLS_KEY, str(served.calls)), (PASS_TOKENS_KEY, str(served.tokens)),
+                     (PASS_SECONDS_KEY, f"{served.seconds:.6f}"))
+                )  # fmt: skip
+            return result
         except EngineError as error:
             await abort_with(context, error)
         except Abandoned as abandoned:

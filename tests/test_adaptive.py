@@ -13,6 +13,8 @@ from specd.orchestrator.adaptive import (
     PROBE_MIN_STEPS,
     AdaptiveK,
     Ewma,
+    PassCost,
+    PassTime,
     ServiceCosts,
     best_draft_length,
     expected_tokens,
@@ -124,6 +126,44 @@ def test_a_saturated_target_switches_off_and_a_quiet_one_back_on():
     for _ in range(10):
         costs.record_verify(4, 1.1, 0.0)  # the load is gone
     assert chooser.next_k(100) >= 3
+
+
+def test_a_pass_time_fit_recovers_the_line_and_keeps_its_slope_through_passes_of_one_size():
+    fit = PassTime()
+    for tokens in [1, 5, 8, 40, 3, 16] * 3:
+        fit.add(tokens, 0.19 + 0.02 * tokens)
+    assert fit.sloped and fit.a == pytest.approx(0.19) and fit.b == pytest.approx(0.02)
+    for _ in range(40):  # only decodes of 8 rows: nothing new about the slope, and it is kept
+        fit.add(8, 0.19 + 0.02 * 8 + 0.05)  # the machine got slower: the intercept follows
+    assert fit.b == pytest.approx(0.02, rel=0.15) and fit.seconds(8) == pytest.approx(0.40, rel=0.02)
+
+
+def cpu_like_load(costs: ServiceCosts, calls: int) -> None:
+    """Passes of a CPU-like target at `calls` calls per pass (0.19 s + 0.02 s per new token:
+    reading the weights, then compute per token), decodes and K = 4 verifies alike; a draft
+    forward of those rows costs 0.025 s + 0.005 s per row."""
+    for tokens_per_call in (1, 5) * 5:
+        tokens = calls * tokens_per_call
+        costs.record_target_pass(PassCost(calls, tokens, 0.19 + 0.02 * tokens))
+    for _ in range(10):
+        costs.record_draft(4, 9.9, 0.0, PassCost(calls, 5 * calls, 4 * (0.025 + 0.005 * calls)))
+
+
+def test_the_chooser_prices_k_at_the_load_shrinks_it_turns_it_off_and_back_on():
+    """The batch-aware chooser on synthetic costs: with B calls per target pass, drafting K puts
+    B·(K + 1) tokens in it. K falls as B grows, speculation is off at 16, and back when B falls."""
+    costs = measured_costs(0.03, {0: 0.2, 4: 0.24}, alpha=0.8)
+    chooser = AdaptiveK(costs, max_k=8)
+    chooser.alpha = Ewma(0.0, 0.8)  # the request's α, held still
+    chosen = {}
+    for calls in (1, 2, 4, 8, 16):
+        cpu_like_load(costs, calls)
+        chosen[calls] = chooser._best(8)
+    assert chosen[1] >= 3 and chosen[16] == 0
+    assert all(chosen[a] >= chosen[b] for a, b in zip((1, 2, 4, 8), (2, 4, 8, 16))), chosen
+    assert 0 < chosen[8] < chosen[1]
+    cpu_like_load(costs, 1)
+    assert chooser._best(8) == chosen[1]
 
 
 def test_a_request_starts_from_the_workers_recent_acceptance():

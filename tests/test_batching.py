@@ -14,7 +14,7 @@ from specd.model.sampling import Sampling
 from specd.model.scheduler import Bounds, Job, Scheduler
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine
-from specd.proto.contract import fingerprint
+from specd.proto.contract import PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY, fingerprint
 from specd.proto.limits import Limits
 from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2
@@ -219,6 +219,7 @@ async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
     """Without the short wait for returning sessions, two streams alternate and never share a pass."""
     services = await start_services(tiny_loaded["draft"], tiny_loaded["target"])
     try:
+        passes = []  # what each Decode's trailing metadata says of the pass that served it
 
         async def decode(session_id: str, prompt: list[int], steps: int) -> list[int]:
             await services.target.Prefill(
@@ -227,14 +228,18 @@ async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
             committed = list(prompt)
             for _ in range(steps):
                 cursor = proto_cursor(session_id, len(committed) - 1, committed[:-1], committed[-1:])
-                committed += list(
-                    (await services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))).emitted_tokens
-                )
+                call = services.target.Decode(target_pb2.DecodeRequest(cursor=cursor))
+                committed += list((await call).emitted_tokens)
+                said = dict(await call.trailing_metadata())
+                passes.append((int(said[PASS_CALLS_KEY]), int(said[PASS_TOKENS_KEY]), float(said[PASS_SECONDS_KEY])))
             return committed
 
         together = await asyncio.gather(decode("one", PROMPTS[1], 30), decode("two", PROMPTS[3], 30))
         info = await services.target.Info(common_pb2.InfoRequest())
         assert info.batch_sizes[2] >= 20, dict(info.batch_sizes)
+        # Each call says what its pass carried (one new token per Decode) and cost.
+        assert all(tokens == calls and 0 < seconds < 10 for calls, tokens, seconds in passes)
+        assert sum(calls == 2 for calls, _, _ in passes) == 2 * info.batch_sizes[2]
         assert together == [await decode("one-alone", PROMPTS[1], 30), await decode("two-alone", PROMPTS[3], 30)]
     finally:
         await services.close()
