@@ -334,17 +334,23 @@ async def _passes(stub, timeout: float) -> dict[str, Counter] | None:
         info = await stub.Info(common_pb2.InfoRequest(), timeout=min(timeout, 10.0))
     except grpc.aio.AioRpcError:
         return None
-    return {"draft": Counter(dict(info.draft.batch_sizes)), "target": Counter(dict(info.target.batch_sizes))}
+    return {
+        role: (Counter(dict(service.batch_sizes)), service.batched_tokens)
+        for role, service in (("draft", info.draft), ("target", info.target))
+    }
 
 
 def calls_per_pass(before: dict | None, after: dict | None) -> dict:
-    """Mean calls (one per session) in each service's batched passes between two readings: how much the
-    services batched during a run (1.0: never; other load on the same services counts too)."""
+    """Mean calls (one per session) and new tokens (rows) in each service's batched passes between two
+    readings: how much the services batched during a run (1.0 call: never; other load on the same
+    services counts too)."""
     means = {}
     for role in ("draft", "target"):
-        ran = after[role] - before[role] if before and after else Counter()
+        ran = after[role][0] - before[role][0] if before and after else Counter()
+        tokens = after[role][1] - before[role][1] if before and after else 0
         passes = sum(ran.values())
         means[f"{role}_calls_per_pass"] = sum(size * n for size, n in ran.items()) / passes if passes else None
+        means[f"{role}_tokens_per_pass"] = tokens / passes if passes else None
     return means
 
 
@@ -387,6 +393,7 @@ def summary_table(report: dict):
         "mean K",
         "spec off",
         "calls/pass D/T",
+        "target rows/pass",
         "errors",
     ):
         table.add_column(name, justify="left" if name in ("run", "errors") else "right")
@@ -411,6 +418,7 @@ def _table_row(run: dict) -> list[str]:
         _num(run["mean_draft_length"], 1),
         "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}",
         f"{_num(run.get('draft_calls_per_pass'), 1)}/{_num(run.get('target_calls_per_pass'), 1)}",
+        _num(run.get("target_tokens_per_pass"), 1),
         errors,
     ]
 

@@ -58,6 +58,7 @@ class Scheduler:
         self.ready = threading.Condition()
         self.closed = False
         self.batch_sizes: Counter[int] = Counter()  # calls per batched pass -> passes run
+        self.batched_tokens = 0  # new tokens over those passes
         self.served_last: set[str] = set()  # sessions of the last batched pass: likely back soon
         self.thread = threading.Thread(target=self._serve, name="model", daemon=True)
         self.thread.start()
@@ -143,6 +144,7 @@ class Scheduler:
             return
         if live[0].kind is not None:
             self.batch_sizes[len(live)] += 1
+            self.batched_tokens += sum(job.cost for job in live)
         started = time.perf_counter()
         try:
             results = live[0].run([job.payload for job in live])

@@ -82,6 +82,7 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         batch_sizes=dict(scheduler.batch_sizes),
         queued_calls=scheduler.queue_depth,
         quantization=described.quantization,
+        batched_tokens=scheduler.batched_tokens,
         device=described.device,
         device_name=memory.name,
         device_memory_total_bytes=memory.total_bytes,

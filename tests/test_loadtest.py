@@ -108,11 +108,18 @@ def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
 
 
 def test_calls_per_pass_is_the_mean_batch_of_the_passes_run_between_two_readings():
-    before = {"draft": Counter({1: 5}), "target": Counter({1: 5, 2: 1})}
-    after = {"draft": Counter({1: 5, 2: 4}), "target": Counter({1: 7, 2: 1, 4: 2})}
-    assert loadtest.calls_per_pass(before, after) == {"draft_calls_per_pass": 2.0, "target_calls_per_pass": 2.5}
-    assert loadtest.calls_per_pass(after, after) == {"draft_calls_per_pass": None, "target_calls_per_pass": None}
-    assert loadtest.calls_per_pass(None, after) == {"draft_calls_per_pass": None, "target_calls_per_pass": None}
+    before = {"draft": (Counter({1: 5}), 25), "target": (Counter({1: 5, 2: 1}), 9)}
+    after = {"draft": (Counter({1: 5, 2: 4}), 65), "target": (Counter({1: 7, 2: 1, 4: 2}), 29)}
+    assert loadtest.calls_per_pass(before, after) == {
+        "draft_calls_per_pass": 2.0,
+        "draft_tokens_per_pass": 10.0,
+        "target_calls_per_pass": 2.5,
+        "target_tokens_per_pass": 5.0,
+    }
+    nothing = dict.fromkeys(["draft_calls_per_pass", "draft_tokens_per_pass"], None)
+    nothing |= dict.fromkeys(["target_calls_per_pass", "target_tokens_per_pass"], None)
+    assert loadtest.calls_per_pass(after, after) == nothing
+    assert loadtest.calls_per_pass(None, after) == nothing
 
 
 def test_poisson_arrivals_are_seeded_and_average_the_rate():
@@ -166,6 +173,7 @@ async def test_closed_loop_sweep_and_open_loop_run(tiny_stack, tmp_path):
     one, two = report["runs"][0], report["runs"][1]
     assert one["target_calls_per_pass"] == 1.0  # one stream: nothing to batch with
     assert 1.0 <= two["target_calls_per_pass"] <= 2.0 and 1.0 <= two["draft_calls_per_pass"] <= 2.0
+    assert two["target_tokens_per_pass"] >= two["target_calls_per_pass"]  # a call adds >= 1 new token
     loadtest.save_plot(report, tmp_path / "loadtest.png")
     assert (tmp_path / "loadtest.png").read_bytes().startswith(PNG_SIGNATURE)
     assert loadtest.summary_table(report).row_count == 3
