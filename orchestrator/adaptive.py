@@ -107,6 +107,7 @@ class ServiceCosts:
     alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))
     target_pass: PassTime = field(default_factory=PassTime)  # the target's batched passes
     target_calls: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # calls per target pass: the load B
+    draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
 
     def record_target_pass(self, served: PassCost) -> None:
         self.target_pass.add(served.tokens, served.seconds)
@@ -120,13 +121,26 @@ class ServiceCosts:
         """A Propose of K: its time per guess; the pass's compute when the draft said it (under load
         the call also queued), else the call's."""
         self.draft_per_token.add((served.seconds if served else seconds) / k)
+        if served:
+            self.draft_forward.add(served.calls, served.seconds / k)
         self.rtt_draft.add(rtt)
 
-    def verify_seconds(self, k: int) -> float | None:
-        """t_verify(K): at the current load from the passes' fit (see the module's docstring), else
-        measured per K: interpolated between measured K, else extended along the last slope."""
+    def load(self) -> float:
+        """B: calls per target pass lately (1 before anything is known)."""
+        return max(1.0, self.target_calls.value or 1.0)
+
+    def draft_seconds(self, calls: float | None = None) -> float | None:
+        """t_draft at `calls` rows per draft forward (default: the load), from the fit; else as measured."""
+        if self.draft_forward.sloped:
+            return self.draft_forward.seconds(self.load() if calls is None else calls)
+        return self.draft_per_token.value
+
+    def verify_seconds(self, k: int, calls: float | None = None) -> float | None:
+        """t_verify(K) at `calls` calls per pass (default: the load), from the passes' fit (see the
+        module's docstring); else measured per K: interpolated between measured K, else extended
+        along the last slope."""
         if self.target_pass.sloped:
-            return self.target_pass.seconds(max(1.0, self.target_calls.value) * (k + 1))
+            return self.target_pass.seconds((self.load() if calls is None else calls) * (k + 1))
         known = sorted((n, e.value) for n, e in self.verify_by_k.items())
         if not known:
             return None
@@ -178,6 +192,8 @@ class AdaptiveK:
         if k:
             self.off_steps, self.probe_every = 0, PROBE_MIN_STEPS
             return k
+        if self.costs.target_pass.sloped and self._best(max_k, calls=1.0):
+            return 0  # off for the load alone: the passes' fit turns it back on as B falls, no probe needed
         self.off_steps += 1
         if self.off_steps < self.probe_every:
             return 0
@@ -196,12 +212,13 @@ class AdaptiveK:
             return 0
         return min(FIRST_K, max_k)
 
-    def _best(self, max_k: int, min_k: int = 0) -> int:
+    def _best(self, max_k: int, min_k: int = 0, calls: float | None = None) -> int:
+        """The best K at `calls` calls per pass (default: the load now)."""
         costs = self.costs
         return best_draft_length(
             self.alpha.value,
-            costs.draft_per_token.value,
-            costs.verify_seconds,
+            costs.draft_seconds(calls),
+            lambda k: costs.verify_seconds(k, calls),
             costs.rtt_draft.value or 0.0,
             costs.rtt_target.value or 0.0,
             max_k,

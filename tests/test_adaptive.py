@@ -10,6 +10,7 @@ K = 4 at 1.58× (docs/architecture.md §7's "about 1.6× at K = 4"); α = 0.5, c
 import pytest
 
 from specd.orchestrator.adaptive import (
+    PROBE_MAX_STEPS,
     PROBE_MIN_STEPS,
     AdaptiveK,
     Ewma,
@@ -162,8 +163,11 @@ def test_the_chooser_prices_k_at_the_load_shrinks_it_turns_it_off_and_back_on():
     assert chosen[1] >= 3 and chosen[16] == 0
     assert all(chosen[a] >= chosen[b] for a, b in zip((1, 2, 4, 8), (2, 4, 8, 16))), chosen
     assert 0 < chosen[8] < chosen[1]
+    # Off for the load alone: no probes (they would cost every stream a draft catch-up), since
+    # the passes' fit sees the load fall on its own; and back on when it does.
+    assert [chooser.next_k(100) for _ in range(3 * PROBE_MAX_STEPS)] == [0] * (3 * PROBE_MAX_STEPS)
     cpu_like_load(costs, 1)
-    assert chooser._best(8) == chosen[1]
+    assert chooser._best(8) == chosen[1] and chooser.next_k(100) == chosen[1]
 
 
 def test_a_request_starts_from_the_workers_recent_acceptance():
