@@ -12,9 +12,10 @@ over 0..max_k, from running estimates: α per request (starting from the worker'
 average), the costs per worker (shared by its requests, so they follow the load).
 
 Under load t_verify(K) is priced at the load: the services say, with every batched call, how
-many calls and new tokens the pass that served it carried and what it cost, and the worker fits
-a pass's seconds as a + b·tokens over recent passes. With B calls per pass, every stream
-drafting K puts B·(K + 1) tokens in the next pass: t_verify(K) = a + b·B·(K + 1). Where a pass
+many calls and new tokens the pass that served it carried, what it cost and how many sessions
+the service holds, and the worker fits a pass's seconds as a + b·tokens over recent passes. With
+B streams (the sessions held, at least the calls per pass), every stream drafting K puts
+B·(K + 1) tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
 is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
 rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
 load), K shrinks and turns off, and turns back on when B falls.
@@ -67,6 +68,7 @@ class PassCost:
     calls: int
     tokens: int  # new tokens over all its calls
     seconds: float  # compute, no queueing
+    sessions: int = 0  # sessions the service held: the streams a pass could carry
 
 
 class PassTime:
@@ -110,8 +112,11 @@ class ServiceCosts:
     draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
 
     def record_target_pass(self, served: PassCost) -> None:
+        """B is the streams the target holds, not only those this pass carried: when speculating
+        streams drift apart (some at the draft) passes carry fewer calls than target-only would,
+        and pricing K against that smaller batch would favour speculation that broke the batch."""
         self.target_pass.add(served.tokens, served.seconds)
-        self.target_calls.add(served.calls)
+        self.target_calls.add(max(served.calls, served.sessions))
 
     def record_verify(self, k: int, seconds: float, rtt: float) -> None:
         self.verify_by_k.setdefault(k, Ewma(TIME_WEIGHT)).add(seconds)

@@ -28,6 +28,7 @@ from specd.orchestrator.faults import Backoff, FaultPolicy, ServiceFailed
 from specd.proto.contract import (
     HELD_FINGERPRINT_KEY,
     HELD_TOKENS_KEY,
+    LIVE_SESSIONS_KEY,
     PASS_CALLS_KEY,
     PASS_SECONDS_KEY,
     PASS_TOKENS_KEY,
@@ -230,7 +231,12 @@ async def _served(call: grpc.aio.UnaryUnaryCall) -> tuple:
     said = dict(await call.trailing_metadata() or ())
     seconds = said.get(SERVICE_SECONDS_KEY)
     try:
-        served = PassCost(int(said[PASS_CALLS_KEY]), int(said[PASS_TOKENS_KEY]), float(said[PASS_SECONDS_KEY]))
+        served = PassCost(
+            int(said[PASS_CALLS_KEY]),
+            int(said[PASS_TOKENS_KEY]),
+            float(said[PASS_SECONDS_KEY]),
+            int(said.get(LIVE_SESSIONS_KEY, said[PASS_CALLS_KEY])),
+        )
     except (KeyError, ValueError):
         served = None
     return reply, None if seconds is None else float(seconds), served

@@ -20,6 +20,9 @@ SERVICE_SECONDS_KEY = "specd-service-seconds"
 PASS_CALLS_KEY = "specd-pass-calls"
 PASS_TOKENS_KEY = "specd-pass-tokens"
 PASS_SECONDS_KEY = "specd-pass-seconds"
+# ... and how many sessions it holds: the streams that could share a pass, whatever phase they
+# are in (a speculative stream may be at the draft while the target runs a pass without it).
+LIVE_SESSIONS_KEY = "specd-live-sessions"
 
 
 def fingerprint(tokens) -> int:

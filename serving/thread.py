@@ -14,7 +14,7 @@ import grpc
 from specd.model.errors import EngineError
 from specd.model.scheduler import Abandoned, Bounds, Job, Scheduler
 from specd.model.service import ModelService
-from specd.proto.contract import PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY
+from specd.proto.contract import LIVE_SESSIONS_KEY, PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY
 from specd.serving.messages import abort_with, model_info
 from specd.v1 import common_pb2
 
@@ -62,7 +62,8 @@ class ModelThread:
                 served = job.served_by
                 context.set_trailing_metadata(
                     ((PASS_CALLS_KEY, str(served.calls)), (PASS_TOKENS_KEY, str(served.tokens)),
-                     (PASS_SECONDS_KEY, f"{served.seconds:.6f}"))
+                     (PASS_SECONDS_KEY, f"{served.seconds:.6f}"),
+                     (LIVE_SESSIONS_KEY, str(len(self.service.store.sessions))))
                 )  # fmt: skip
             return result
         except EngineError as error:

@@ -170,6 +170,13 @@ def test_the_chooser_prices_k_at_the_load_shrinks_it_turns_it_off_and_back_on():
     assert chooser._best(8) == chosen[1] and chooser.next_k(100) == chosen[1]
 
 
+def test_the_load_is_the_streams_the_target_holds_not_the_calls_a_drifting_pass_carried():
+    costs = ServiceCosts()
+    for _ in range(20):
+        costs.record_target_pass(PassCost(calls=3, tokens=15, seconds=0.3, sessions=8))
+    assert costs.load() == pytest.approx(8.0)
+
+
 def test_a_request_starts_from_the_workers_recent_acceptance():
     costs = measured_costs(0.15, {0: 1.0, 8: 1.0}, alpha=0.8)
     first = AdaptiveK(costs, max_k=8)

@@ -14,7 +14,7 @@ from specd.model.sampling import Sampling
 from specd.model.scheduler import Bounds, Job, Scheduler
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine
-from specd.proto.contract import PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY, fingerprint
+from specd.proto.contract import LIVE_SESSIONS_KEY, PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY, fingerprint
 from specd.proto.limits import Limits
 from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2
@@ -232,6 +232,7 @@ async def test_two_decode_streams_fall_into_step_and_share_passes(tiny_loaded):
                 committed += list((await call).emitted_tokens)
                 said = dict(await call.trailing_metadata())
                 passes.append((int(said[PASS_CALLS_KEY]), int(said[PASS_TOKENS_KEY]), float(said[PASS_SECONDS_KEY])))
+                assert int(said[LIVE_SESSIONS_KEY]) >= 1  # the streams a pass could carry
             return committed
 
         together = await asyncio.gather(decode("one", PROMPTS[1], 30), decode("two", PROMPTS[3], 30))
