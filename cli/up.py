@@ -4,7 +4,14 @@ import argparse
 import asyncio
 import signal
 
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag, add_stack_device_flags, check_stack_devices
+from specd.cli.common import (
+    STACK_DEVICE_FLAGS,
+    UserError,
+    add_model_flags,
+    add_quantize_flag,
+    add_stack_device_flags,
+    check_stack_devices,
+)
 from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS
 
 
@@ -73,6 +80,21 @@ def add_parser(verbs) -> None:
         "assigns the actor its own GPU(s) and --device auto is the first of them (cuda:0 inside the actor)",
     )
     add_model_flags(parser)
+    parser.add_argument(
+        "--draft-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the draft's torch threads (default: --threads, else a quarter of the cores, at least 1, "
+        "when both services compute on the CPU: README `specd up`)",
+    )
+    parser.add_argument(
+        "--target-threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the target's torch threads (default: --threads, else every core)",
+    )
     add_stack_device_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
@@ -82,6 +104,13 @@ def add_parser(verbs) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.target_gpus < 0:
         raise UserError("--target-gpus must be >= 0")
+    for flag in ("--threads", "--draft-threads", "--target-threads"):
+        if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1")
+    if args.ray_address and (args.draft_threads or args.target_threads):
+        raise UserError(
+            "--draft-threads and --target-threads are for a stack on this machine; on a cluster use --threads"
+        )
     # Before anything starts: a device that does not exist here is one line and exit 2. On a
     # cluster each service resolves its device on its own node; only the form is checked here.
     graphs = check_stack_devices(args, here=not args.ray_address)
@@ -138,12 +167,15 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
 
 
 def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
-    from specd.deploy.local import LocalStack, StackConfig
+    from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig
 
+    threads = service_threads(args)
     stack = LocalStack(
         StackConfig(
             dtype=args.dtype,
-            threads=args.threads,
+            draft_threads=threads["draft"],
+            target_threads=threads["target"],
+            service_env=SHARED_CORES_ENV,
             draft_model=args.draft_model,
             target_model=args.target_model,
             draft_port=args.draft_port,
@@ -175,6 +207,31 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def service_threads(args: argparse.Namespace) -> dict[str, int | None]:
+    """Torch threads of the draft and the target that `specd up` runs here: --draft-threads and
+    --target-threads, else --threads, else their share of this machine's cores for each one that
+    computes on the CPU (`share_cores`: the target all of them, the draft a quarter; README
+    `specd up`). None: the service's own default (all cores), for a service on a GPU."""
+    from specd.deploy.local import share_cores, usable_cores
+
+    given = {role: getattr(args, f"{role}_threads") or args.threads for role in ("draft", "target")}
+    if all(given.values()):
+        return given
+    shared = share_cores(usable_cores(), on_cpu=[role for role in given if computes_on_cpu(role, args)])
+    return {role: given[role] or shared.get(role) for role in given}
+
+
+def computes_on_cpu(role: str, args: argparse.Namespace) -> bool:
+    """Whether the service `role` of a stack here computes on the CPU (docs/architecture.md §4: `auto`
+    keeps the draft on the CPU and puts the target on a GPU where torch sees one)."""
+    choice = getattr(args, STACK_DEVICE_FLAGS[role][2:].replace("-", "_"))
+    if choice != "auto" or role == "draft":
+        return choice in ("auto", "cpu")
+    from specd.model.devices import resolve_device  # torch, only for a target placed by `auto`
+
+    return resolve_device(role, choice).type == "cpu"
 
 
 async def _forever() -> None:

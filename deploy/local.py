@@ -1,7 +1,8 @@
 """The whole stack on this machine: draft, target and orchestrator, each its own process.
 
 Each child is `python -m specd serve ...`; the stack waits on grpc.health.v1 until each one
-reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends.
+reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends. `share_cores` is how
+`specd up` gives the two model services this machine's cores without oversubscribing them.
 """
 
 import asyncio
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +23,9 @@ from specd.orchestrator.remote import wait_until_serving
 @dataclass
 class StackConfig:
     dtype: str | None = None
-    threads: int | None = None
+    threads: int | None = None  # torch threads of each model service; None: the service's default (all cores)
+    draft_threads: int | None = None  # the draft's own, over `threads`
+    target_threads: int | None = None  # the target's own, over `threads`
     draft_model: str = "draft"
     target_model: str = "target"
     draft_port: int = 0  # 0 picks a free port
@@ -41,6 +45,9 @@ class StackConfig:
     target_cuda_graphs: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     extra_service_flags: list[str] = field(default_factory=list)
+    # Environment of the two model services, where this process's own does not set the variable
+    # (`specd up` puts SHARED_CORES_ENV here).
+    service_env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -74,7 +81,7 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         config = self.config
-        model_flags = _flags(dtype=config.dtype, threads=config.threads) + config.extra_service_flags
+        model_flags = _flags(dtype=config.dtype)
         draft = self._spawn(
             "draft",
             config.draft_port,
@@ -85,9 +92,14 @@ class LocalStack:
                 config.draft_model,
                 *model_flags,
                 *_flags(
-                    quantize=config.draft_quantize, device=config.draft_device, cuda_graphs=config.draft_cuda_graphs
+                    threads=config.draft_threads or config.threads,
+                    quantize=config.draft_quantize,
+                    device=config.draft_device,
+                    cuda_graphs=config.draft_cuda_graphs,
                 ),
+                *config.extra_service_flags,
             ],
+            config.service_env,
         )
         target = self._spawn(
             "target",
@@ -99,9 +111,14 @@ class LocalStack:
                 config.target_model,
                 *model_flags,
                 *_flags(
-                    quantize=config.target_quantize, device=config.target_device, cuda_graphs=config.target_cuda_graphs
+                    threads=config.target_threads or config.threads,
+                    quantize=config.target_quantize,
+                    device=config.target_device,
+                    cuda_graphs=config.target_cuda_graphs,
                 ),
+                *config.extra_service_flags,
             ],
+            config.service_env,
         )
         self.say(
             f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}"
@@ -129,7 +146,9 @@ class LocalStack:
         await self._wait(orchestrator)
         return self
 
-    def _spawn(self, name: str, port: int, metrics_port: int, serve_args: list[str]) -> Child:
+    def _spawn(
+        self, name: str, port: int, metrics_port: int, serve_args: list[str], env: dict[str, str] | None = None
+    ) -> Child:
         port, metrics_port = port or free_port(), metrics_port or free_port()
         log = self.log_dir / f"{name}.log"
         command = [
@@ -146,7 +165,12 @@ class LocalStack:
             str(metrics_port),
         ]
         process = subprocess.Popen(
-            command, stdout=log.open("w"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+            command,
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env={**env, **os.environ} if env else None,  # what the caller's environment sets wins
         )
         child = Child(name, f"127.0.0.1:{port}", process, log, f"http://127.0.0.1:{metrics_port}/metrics")
         self.children.append(child)
@@ -175,6 +199,40 @@ class LocalStack:
                 os.killpg(child.process.pid, signal.SIGKILL)
                 child.process.wait()
         self.children.clear()
+
+
+# ---------------------------------------------------------------- sharing the cores of one machine
+
+# Set in both model services by `specd up` (issue 21, README `specd up`): an OpenMP thread that has
+# done its part of an operation sleeps instead of spinning (libgomp, torch's OpenMP on Linux, spins
+# for ~300,000 iterations by default), so a service that waits for its next call leaves the cores
+# to the one that computes instead of burning them.
+SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its affinity (a container's cpuset, `taskset`), else all."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity on this platform
+        return os.cpu_count() or 1
+
+
+def share_cores(cores: int, on_cpu: Iterable[str] = ("draft", "target")) -> dict[str, int]:
+    """Torch threads for each model service in `on_cpu` (those that compute on the CPU) sharing `cores`.
+
+    The rule (measured on 2 cores, README `specd up`): the target takes every core, since it runs
+    on every step and with one stream the two services take turns (the target alone is 1.5x faster
+    on 2 threads than on 1); the draft, smaller, takes a quarter of them, at least one, so that
+    where several streams make its passes overlap the target's the two add up to the cores plus
+    a quarter (at least one) instead of twice the cores; with SHARED_CORES_ENV the threads of a
+    service that waits sleep. A service alone on the CPU, the other on a GPU, takes every core.
+    """
+    cores = max(1, cores)
+    threads = dict.fromkeys(on_cpu, cores)
+    if {"draft", "target"} <= threads.keys():
+        threads["draft"] = max(1, cores // 4)
+    return threads
 
 
 def free_port() -> int:
