@@ -38,7 +38,9 @@ async def test_adaptive_k_equals_speculation_off_and_drafts(tiny_stack):
 async def test_a_fixed_k_overrides_the_chooser(tiny_stack):
     tokens, _, final = await generate(tiny_stack.client, request(PROMPTS[0], 3, 24))
     assert not final.stats.adaptive and final.stats.draft_tokens == 3
-    assert set(final.stats.draft_lengths[:-1]) == {3}  # only the last step may be shorter (tokens left)
+    # The first step is the target's alone (the first token never waits for the draft); only the
+    # last may be shorter than K (tokens left).
+    assert final.stats.draft_lengths[0] == 0 and set(final.stats.draft_lengths[1:-1]) == {3}
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
