@@ -15,9 +15,22 @@ over the run's wall time; errors by gRPC status code name; acceptance rate α = 
 drafted; mean accepted length 1 + accepted / steps; and acceptance by draft position
 (steps whose draft token i was accepted / steps that drafted position i).
 
-Requests cycle through a prompts file (JSON lines, `{"prompt": ..., "kind": ...}`) and ask
-for `ignore_eos` by default, so every request yields exactly max_new_tokens and runs are
-comparable. Every request is bounded by a timeout; failures are counted, never raised.
+Compare mode (`run_loadtest(..., compare=True)`, closed loop only) measures speculation on and
+off against the same stack in one sweep: at each concurrency it runs the speculative run (the
+settings' K: the server's default when None) and the speculation-off run (K = 0) back to back,
+the same requests (prompts and seeds) in both, and swaps which goes first from one pair to the
+next (speculative first at the first concurrency, off first at the second, ...; with repeats,
+also from one repeat to the next) so slow drift of the machine favours neither. Each run is
+tagged with its `mode` ("speculative" or "off") and `repeat`; the report's `comparison` has one
+entry per concurrency: per mode the median-throughput run of its repeats (the lower middle one
+for an even count), and the ratios speculative / off of output tokens/s and of TTFT p50.
+
+Requests cycle through a prompts file (JSON lines, `{"prompt": ..., "kind": ...}`; the default
+`prompts.jsonl` mixes code, docstrings, prose and chat, `prose.jsonl` is an LLMPerf-style prose
+workload of sonnet lines) and ask for `ignore_eos` by default, so every request yields exactly
+max_new_tokens and runs are comparable. The report's settings record the load tester's CPU
+(`machine`: model name, avx512_bf16) beside the server's own Info. Every request is bounded by
+a timeout; failures are counted, never raised.
 Everything here is asyncio: run it with `asyncio.run`, or await it on a running loop.
 """
 
@@ -25,11 +38,13 @@ import asyncio
 import itertools
 import json
 import math
+import os
+import platform
 import random
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import grpc
@@ -38,7 +53,11 @@ import numpy as np
 from specd.proto.client import channel, make_request
 from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
+WARMUP_REQUESTS = 2  # per mode, before the measured runs
+WARMUP_TOKENS = 16
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+PROSE_PROMPTS = Path(__file__).resolve().parent / "prose.jsonl"  # LLMPerf-style: sonnet lines to stream on
+MODES = ("speculative", "off")  # compare mode's two runs per concurrency, in the order of its first pair
 
 # start(label, total) -> advance(): how a caller shows progress (None: no progress shown).
 ProgressHook = Callable[[str, int], Callable[[], None]]
@@ -291,21 +310,135 @@ async def run_loadtest(
     rates: list[float] = (),
     progress: ProgressHook | None = None,
     prompts_file: str | None = None,
+    compare: bool = False,
+    repeats: int = 1,
+    warmup: int = WARMUP_REQUESTS,
 ) -> dict:
-    """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}."""
-    plans = [("closed", c) for c in concurrency] + [("open", r) for r in rates]
+    """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}.
+
+    With `compare`: closed loop only, a speculative and an off run per concurrency and repeat
+    (`compare_plan`), and a "comparison" list in the report (`comparison`). First, `warmup`
+    short requests per mode, not measured: the first run would otherwise pay the stack's cold
+    start (and the K chooser's first measurements) alone.
+    """
+    if compare and (rates or settings.draft_tokens == 0 or repeats < 1):
+        raise ValueError("compare: closed loop only, a speculative K (None or >= 1), repeats >= 1")
+    if compare:
+        plans = [("closed", level, mode, repeat) for level, mode, repeat in compare_plan(concurrency, repeats)]
+    else:
+        mode = mode_of(settings)
+        plans = [("closed", c, mode, 0) for c in concurrency] + [("open", r, mode, 0) for r in rates]
     runs = []
     async with channel(settings.server) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
         server_info = await _server_info(stub, settings.timeout)
-        for mode, level in plans:
-            label = f"concurrency {level}" if mode == "closed" else f"rate {level:g}/s"
+        for mode in dict.fromkeys(plan[2] for plan in plans) if warmup else ():  # not measured
+            warm = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
+            await closed_loop(stub, replace(warm, draft_tokens=0) if mode == "off" else warm, 1, warmup, lambda: None)
+        for kind, level, mode, repeat in plans:
+            label = f"concurrency {level}" if kind == "closed" else f"rate {level:g}/s"
+            if compare:
+                label += f" {mode}" + (f" #{repeat + 1}" if repeats > 1 else "")
             advance = progress(label, requests) if progress else (lambda: None)
-            run = closed_loop if mode == "closed" else open_loop
+            run = closed_loop if kind == "closed" else open_loop
+            run_settings = replace(settings, draft_tokens=0) if mode == "off" else settings
             before = await _passes(stub, settings.timeout)
-            runs.append(await run(stub, settings, level, requests, advance))
-            runs[-1].update(calls_per_pass(before, await _passes(stub, settings.timeout)))
-    return {"runs": runs, "settings": _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)}
+            result = await run(stub, run_settings, level, requests, advance)
+            result.update(calls_per_pass(before, await _passes(stub, settings.timeout)))
+            runs.append({"mode": mode, "repeat": repeat, **result})
+    report = {"runs": runs}
+    if compare:
+        report["comparison"] = comparison(runs)
+    report["settings"] = _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)
+    report["settings"] |= {"compare": compare, "repeats": repeats, "warmup_requests": warmup}
+    return report
+
+
+def mode_of(settings: Settings) -> str:
+    """The mode of a run with these settings: `off` for K = 0, else `speculative`."""
+    return "off" if settings.draft_tokens == 0 else "speculative"
+
+
+def compare_plan(concurrency: list[int], repeats: int = 1) -> list[tuple[int, str, int]]:
+    """(concurrency, mode, repeat) of each run, in the order compare mode runs them: per concurrency,
+    `repeats` pairs back to back; the first pair of concurrency i starts with MODES[i % 2] and
+    each further repeat swaps the order again, so neither mode always runs first."""
+    plan = []
+    for index, level in enumerate(concurrency):
+        for repeat in range(repeats):
+            order = MODES if (index + repeat) % 2 == 0 else MODES[::-1]
+            plan += [(level, mode, repeat) for mode in order]
+    return plan
+
+
+def median_run(runs: list[dict], indices: list[int]) -> int:
+    """The index (into `runs`) of the median-throughput run among `indices` (lower middle for an even count)."""
+    ranked = sorted(indices, key=lambda i: runs[i]["output_tokens_per_s"])
+    return ranked[(len(ranked) - 1) // 2]
+
+
+def comparison(runs: list[dict]) -> list[dict]:
+    """Per concurrency that has both modes: each mode's median-throughput run (`run`: its index
+    in `runs`) and figures, and the ratios speculative / off of output tokens/s and TTFT p50
+    (None where the off figure is 0 or missing)."""
+    entries = []
+    for level in dict.fromkeys(run["concurrency"] for run in runs if run["concurrency"] is not None):
+        indices = {
+            mode: [i for i, run in enumerate(runs) if run["concurrency"] == level and run.get("mode") == mode]
+            for mode in MODES
+        }
+        if not all(indices.values()):
+            continue
+        figures = {mode: _mode_figures(runs, median_run(runs, indices[mode]), indices[mode]) for mode in MODES}
+        spec, off = figures["speculative"], figures["off"]
+        entries.append(
+            {
+                "concurrency": level,
+                **figures,
+                "throughput_ratio": _ratio(spec["output_tokens_per_s"], off["output_tokens_per_s"]),
+                "ttft_p50_ratio": _ratio(spec["ttft_p50_s"], off["ttft_p50_s"]),
+            }
+        )
+    return entries
+
+
+def _mode_figures(runs: list[dict], index: int, indices: list[int]) -> dict:
+    run = runs[index]
+    return {
+        "run": index,
+        "output_tokens_per_s": run["output_tokens_per_s"],
+        "ttft_p50_s": run["ttft_s"]["p50"],
+        "acceptance_rate": run["acceptance_rate"],
+        "mean_draft_length": run["mean_draft_length"],  # mean K of the drafting steps
+        "speculation_off_share": run["speculation_off_share"],  # share of steps with K = 0
+        "target_tokens_per_pass": run.get("target_tokens_per_pass"),  # target rows per batched pass
+        "output_tokens_per_s_all": [runs[i]["output_tokens_per_s"] for i in indices],  # every repeat, run order
+    }
+
+
+def _ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator is not None and denominator else None
+
+
+def machine_info() -> dict:
+    """The CPU this load test runs on (figures on this project are always stated with the CPU):
+    its model name and whether it has avx512_bf16 (None: unknown, no /proc/cpuinfo)."""
+    name, flags = None, None
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() == "model name" and name is None:
+            name = value.strip()
+        elif key.strip() == "flags" and flags is None:
+            flags = set(value.split())
+    return {
+        "cpu_model": name or platform.processor() or None,
+        "avx512_bf16": None if flags is None else "avx512_bf16" in flags,
+        "cpu_count": os.cpu_count(),
+    }
 
 
 async def _server_info(stub, timeout: float) -> dict | None:
@@ -363,7 +496,8 @@ def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompt
         "requests": requests,
         "concurrency": list(concurrency),
         "rates": list(rates),
-        "server_info": server_info,
+        "server_info": server_info,  # the server's pair and devices (target_device_name: its CPU or GPU)
+        "machine": machine_info(),  # the load tester's CPU
     }
 
 
@@ -381,6 +515,7 @@ def summary_table(report: dict):
     table = Table(title="specd loadtest")
     for name in (
         "run",
+        "mode",
         "ok/sent",
         "tok/s",
         "req/s",
@@ -397,15 +532,18 @@ def summary_table(report: dict):
         "errors",
     ):
         table.add_column(name, justify="left" if name in ("run", "errors") else "right")
+    repeats = report["settings"].get("repeats", 1)
     for run in report["runs"]:
-        table.add_row(*_table_row(run))
+        table.add_row(*_table_row(run, repeats))
     return table
 
 
-def _table_row(run: dict) -> list[str]:
+def _table_row(run: dict, repeats: int = 1) -> list[str]:
     errors = ", ".join(f"{code}×{n}" for code, n in run["errors"].items()) or "-"
+    mode = run.get("mode", "-") + (f" #{run['repeat'] + 1}" if repeats > 1 else "")
     return [
         run_label(run),
+        mode,
         f"{run['completed']}/{run['requests']}",
         f"{run['output_tokens_per_s']:.1f}",
         f"{run['requests_per_s']:.2f}",
@@ -423,6 +561,51 @@ def _table_row(run: dict) -> list[str]:
     ]
 
 
+def comparison_table(report: dict):
+    """A rich Table with one row per concurrency of compare mode: both modes side by side."""
+    from rich.table import Table
+
+    settings = report["settings"]
+    cpu = (settings.get("machine") or {}).get("cpu_model") or "unknown CPU"
+    median = f", median of {settings['repeats']} runs per mode" if settings.get("repeats", 1) > 1 else ""
+    table = Table(title=f"speculative vs off ({cpu}{median})")
+    for name in (
+        "C",
+        "spec tok/s",
+        "off tok/s",
+        "spec/off tok/s",
+        "spec TTFT p50 ms",
+        "off TTFT p50 ms",
+        "spec/off TTFT",
+        "α",
+        "mean K",
+        "spec off",
+        "target rows/pass spec/off",
+    ):
+        table.add_column(name, justify="right")
+    for entry in report.get("comparison", []):
+        spec, off = entry["speculative"], entry["off"]
+        share = spec["speculation_off_share"]
+        table.add_row(
+            str(entry["concurrency"]),
+            f"{spec['output_tokens_per_s']:.1f}",
+            f"{off['output_tokens_per_s']:.1f}",
+            _times(entry["throughput_ratio"]),
+            _ms(spec["ttft_p50_s"]),
+            _ms(off["ttft_p50_s"]),
+            _times(entry["ttft_p50_ratio"]),
+            _num(spec["acceptance_rate"], 2),
+            _num(spec["mean_draft_length"], 1),
+            "-" if share is None else f"{share:.0%}",
+            f"{_num(spec['target_tokens_per_pass'], 1)}/{_num(off['target_tokens_per_pass'], 1)}",
+        )
+    return table
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}×"
+
+
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.0f}"
 
@@ -432,7 +615,11 @@ def _num(value: float | None, digits: int) -> str:
 
 
 def save_plot(report: dict, path: Path | str) -> None:
-    """Three panels: output tokens/s, latencies, and acceptance by draft position, per run."""
+    """Three panels: output tokens/s, latencies, and acceptance by draft position, per run
+    (a report of compare mode: `save_comparison_plot`)."""
+    if report.get("comparison"):
+        save_comparison_plot(report, path)
+        return
     import matplotlib
 
     matplotlib.use("Agg")
@@ -496,3 +683,82 @@ def _plot_acceptance(axes, runs: list[dict]) -> None:
     axes.grid(alpha=0.3)
     if axes.get_legend_handles_labels()[0]:
         axes.legend()
+
+
+MODE_STYLES = {
+    "speculative": {"label": "speculative", "color": "#dd8452", "marker": "o"},
+    "off": {"label": "speculation off (K = 0)", "color": "#4c72b0", "marker": "s"},
+}
+ONE_STREAM_MULTIPLE = 6  # the throughput panel's reference: this many times the off mode's single stream
+
+
+def save_comparison_plot(report: dict, path: Path | str) -> None:
+    """Compare mode, three panels over concurrency: output tokens/s of both modes (with a dashed
+    line at 6× the off mode's single-stream throughput), TTFT p50 of both modes, and the
+    speculative / off throughput ratio (line at 1.0); mean K written next to the speculative points."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = report["comparison"]
+    x = [entry["concurrency"] for entry in entries]
+    figure, (throughput, ttft, ratio) = plt.subplots(1, 3, figsize=(17, 4.8))
+    for mode, style in MODE_STYLES.items():
+        throughput.plot(x, [entry[mode]["output_tokens_per_s"] for entry in entries], **style)
+        ttft.plot(x, [_or_nan(entry[mode]["ttft_p50_s"]) for entry in entries], **style)
+    one = next((entry for entry in entries if entry["concurrency"] == 1), None)
+    if one and one["off"]["output_tokens_per_s"]:
+        throughput.axhline(
+            ONE_STREAM_MULTIPLE * one["off"]["output_tokens_per_s"],
+            linestyle="--",
+            color="gray",
+            label=f"{ONE_STREAM_MULTIPLE}× one stream, off",
+        )
+    _mark_k(throughput, entries, [entry["speculative"]["output_tokens_per_s"] for entry in entries])
+    ratios = [_or_nan(entry["throughput_ratio"]) for entry in entries]
+    ratio.plot(x, ratios, color=MODE_STYLES["speculative"]["color"], marker="o", label="speculative / off")
+    ratio.axhline(1.0, color="gray", linewidth=1, label="1.0 (no gain)")
+    _mark_k(ratio, entries, ratios)
+    throughput.set(ylabel="output tokens/s", title="throughput")
+    ttft.set(ylabel="seconds", title="TTFT p50")
+    ratio.set(ylabel="speculative / off", title="throughput ratio (mean K by the points)")
+    for axes in (throughput, ttft, ratio):
+        _concurrency_axis(axes, x)
+        axes.legend(fontsize=8)
+    settings = report["settings"]
+    cpu = (settings.get("machine") or {}).get("cpu_model") or "unknown CPU"
+    median = f", median of {settings['repeats']} runs" if settings.get("repeats", 1) > 1 else ""
+    figure.suptitle(
+        f"specd loadtest: speculative vs off, {settings['requests']} requests × "
+        f"{settings['max_new_tokens']} tokens per run{median} ({cpu})",
+        fontsize=10,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def _mark_k(axes, entries: list[dict], ys: list[float]) -> None:
+    """Write the speculative run's mean K next to each of its points."""
+    for entry, y in zip(entries, ys):
+        k = entry["speculative"]["mean_draft_length"]
+        if k is not None and not math.isnan(y):
+            axes.annotate(
+                f"K={k:.1f}", (entry["concurrency"], y), textcoords="offset points", xytext=(4, 6), fontsize=8
+            )
+
+
+def _concurrency_axis(axes, x: list[int]) -> None:
+    from matplotlib.ticker import NullLocator
+
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(x, [str(level) for level in x])
+    axes.xaxis.set_minor_locator(NullLocator())
+    axes.set_xlabel("concurrency")
+    axes.set_ylim(bottom=0)
+    axes.grid(alpha=0.3)
+
+
+def _or_nan(value: float | None) -> float:
+    return math.nan if value is None else value

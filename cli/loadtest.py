@@ -2,6 +2,17 @@
 
 Requests ask for ignore_eos by default, so each yields exactly --max-new-tokens tokens and
 runs compare like for like; --respect-eos lets them stop at end-of-sequence instead.
+
+--compare measures speculation on and off against the same server in one sweep: at each
+concurrency a speculative run (the server's K, or --draft-tokens) and a speculation-off run
+(K = 0) back to back with the same requests, alternating which goes first from one
+concurrency to the next; --repeats N runs each pair N times and reports per mode the median
+throughput run (the JSON keeps every run). It prints both side by side (tokens/s, TTFT p50,
+their ratios speculative / off, mean K, share of steps with speculation off, target rows
+per pass) and --plot draws them together. The report records the CPU it ran on.
+
+  specd loadtest --server localhost:50051 --concurrency 1,2,4,8,16 --compare --repeats 3 \\
+      --prompts bench/prose.jsonl --json compare.json --plot compare.png
 """
 
 import argparse
@@ -42,7 +53,8 @@ def add_parser(verbs) -> None:
         type=Path,
         default=None,
         metavar="FILE.jsonl",
-        help='one {"prompt": ...} per line, used in turn (default: bench/prompts.jsonl)',
+        help='one {"prompt": ...} per line, used in turn (default: bench/prompts.jsonl; '
+        "bench/prose.jsonl: LLMPerf-style prose)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -51,21 +63,47 @@ def add_parser(verbs) -> None:
         "--draft-tokens",
         type=int,
         default=None,
-        help="a fixed K (default: the server's, which chooses K every step unless started with one)",
+        help="a fixed K (default: the server's, which chooses K every step unless started with one); "
+        "with --compare, the K of the speculative runs",
     )
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="closed loop: per concurrency, a speculative run and a speculation-off run (K = 0) back to back, "
+        "reported and plotted side by side",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        metavar="N",
+        help="with --compare: run each speculative/off pair N times, report each mode's median (default 1)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        metavar="N",
+        help="short requests per mode before the measured runs, not reported (default 2; 0: none)",
+    )
     parser.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
     parser.add_argument(
-        "--plot", type=Path, default=None, metavar="OUT.png", help="draw throughput, latency, acceptance"
+        "--plot",
+        type=Path,
+        default=None,
+        metavar="OUT.png",
+        help="draw throughput, latency, acceptance (--compare: tokens/s, TTFT p50 and their ratio, both modes)",
     )
-    parser.set_defaults(run=run)
+    parser.set_defaults(run=lambda args: run(args, parser))
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from specd.bench import loadtest
 
+    _check_compare(args, parser or argparse.ArgumentParser(prog="specd loadtest"))
     _check(args)
     settings = _settings(args, loadtest)
     console = Console(stderr=True)
@@ -80,9 +118,14 @@ def run(args: argparse.Namespace) -> int:
                 rates=args.rate or [],
                 progress=_progress_hook(progress),
                 prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS),
+                compare=args.compare,
+                repeats=args.repeats,
+                warmup=args.warmup,
             )
         )
     console.print(loadtest.summary_table(report))
+    if args.compare:
+        console.print(loadtest.comparison_table(report))
     write_report(console, report, args.json, args.plot, loadtest.save_plot)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
 
@@ -102,6 +145,20 @@ def _settings(args, loadtest):
         ignore_eos=not args.respect_eos,
         timeout=args.timeout,
     )
+
+
+def _check_compare(args, parser: argparse.ArgumentParser) -> None:
+    """Flags that contradict --compare or --repeats: a usage error (exit status 2)."""
+    if args.compare and args.no_speculation:
+        parser.error("--compare runs speculation on and off itself: drop --no-speculation")
+    if args.compare and args.rate:
+        parser.error("--compare is for closed-loop sweeps (--concurrency): drop --rate")
+    if args.compare and args.draft_tokens == 0:
+        parser.error("--compare --draft-tokens 0 would compare off with off: give a K >= 1, or none for the server's")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    if args.repeats > 1 and not args.compare:
+        parser.error("--repeats applies to --compare")
 
 
 def _check(args) -> None:

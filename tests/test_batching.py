@@ -58,11 +58,12 @@ def opened(engine, tag: str) -> list[Conversation]:
     return conversations
 
 
-def verify_calls(conversations, step: int, references) -> list[VerifyCall]:
-    """Mixed K, each draft corrupted at a different place (different accepted counts), one row sampled."""
+def verify_calls(conversations, step: int, references, ks=(1, 3, 5, 4)) -> list[VerifyCall]:
+    """Mixed K (0: a plain decode row), each draft corrupted at a different place (different
+    accepted counts), one row sampled."""
     calls = []
     for i, conversation in enumerate(conversations):
-        k = [1, 3, 5, 4][i]
+        k = ks[i]
         done = len(conversation.committed) - len(PROMPTS[i])
         drafts = references[i][done : done + k]
         wrong_at = (i + step) % (k + 1)  # k + 1: no corruption, all accepted
@@ -73,14 +74,17 @@ def verify_calls(conversations, step: int, references) -> list[VerifyCall]:
     return calls
 
 
-def test_verify_batch_equals_one_call_at_a_time(tiny_loaded):
+@pytest.mark.parametrize("ks", [(1, 3, 5, 4), (0, 3, 0, 4)], ids=["verify", "verify-and-decode"])
+def test_verify_batch_equals_one_call_at_a_time(tiny_loaded, ks):
+    """Verify rows, and verify rows of speculative sessions beside decode rows of target-only ones
+    (one pass for every ready session): the same tokens, accepted counts and caches as alone."""
     engine = Verifier(TransformersEngine(tiny_loaded["target"]), Limits())
     references = [greedy_continuation(tiny_loaded["target"], prompt, 40) for prompt in PROMPTS]
     alone, together = opened(engine, "alone"), opened(engine, "together")
     accepted_counts = set()
     for step in range(6):
-        solo = [engine.verify(call) for call in verify_calls(alone, step, references)]
-        batched = engine.verify_batch(verify_calls(together, step, references))
+        solo = [engine.verify(call) for call in verify_calls(alone, step, references, ks)]
+        batched = engine.verify_batch(verify_calls(together, step, references, ks))
         for a, b, conversation_a, conversation_b in zip(solo, batched, alone, together):
             assert (b.accepted, b.emitted_tokens, b.cached_tokens) == (a.accepted, a.emitted_tokens, a.cached_tokens)
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-5)

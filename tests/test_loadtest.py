@@ -5,6 +5,7 @@ import asyncio
 import json
 import socket
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -129,6 +130,90 @@ def test_poisson_arrivals_are_seeded_and_average_the_rate():
     assert offsets[-1] / (len(offsets) - 1) == pytest.approx(0.25, rel=0.1)
 
 
+def test_compare_plan_runs_pairs_back_to_back_and_swaps_which_goes_first():
+    assert loadtest.compare_plan([1, 2, 4]) == [
+        (1, "speculative", 0),
+        (1, "off", 0),
+        (2, "off", 0),
+        (2, "speculative", 0),
+        (4, "speculative", 0),
+        (4, "off", 0),
+    ]
+    # with repeats the order also swaps from one repeat to the next
+    assert loadtest.compare_plan([1, 2], repeats=2) == [
+        (1, "speculative", 0),
+        (1, "off", 0),
+        (1, "off", 1),
+        (1, "speculative", 1),
+        (2, "off", 0),
+        (2, "speculative", 0),
+        (2, "speculative", 1),
+        (2, "off", 1),
+    ]
+
+
+def fake_run(mode: str, concurrency: int, tokens_per_s: float, ttft: float | None, k: float | None = None) -> dict:
+    return {
+        "mode": mode,
+        "concurrency": concurrency,
+        "output_tokens_per_s": tokens_per_s,
+        "ttft_s": {"p50": ttft},
+        "acceptance_rate": None if k is None else 0.5,
+        "mean_draft_length": k,
+        "speculation_off_share": 1.0 if mode == "off" else 0.25,
+        "target_tokens_per_pass": 2.0,
+    }
+
+
+def test_comparison_takes_each_modes_median_run_and_divides():
+    runs = [
+        fake_run("speculative", 1, 30.0, 0.2, k=2.5),
+        fake_run("off", 1, 20.0, 0.1),
+        fake_run("off", 1, 10.0, 0.3),
+        fake_run("speculative", 1, 60.0, 0.4, k=3.0),
+        fake_run("speculative", 1, 40.0, 0.5, k=2.0),
+        fake_run("off", 1, 25.0, 0.2),
+        fake_run("speculative", 4, 50.0, 0.6, k=1.5),
+        fake_run("off", 4, 0.0, None),  # every off request failed
+        fake_run("speculative", 8, 70.0, 0.7, k=1.0),  # no off run at 8: no entry
+    ]
+    one, four = loadtest.comparison(runs)
+    assert one["concurrency"] == 1 and four["concurrency"] == 4
+    assert one["speculative"]["run"] == 4 and one["off"]["run"] == 1  # the medians: 40 of 30/60/40, 20 of 20/10/25
+    assert one["speculative"]["output_tokens_per_s_all"] == [30.0, 60.0, 40.0]
+    assert one["throughput_ratio"] == pytest.approx(40.0 / 20.0)
+    assert one["ttft_p50_ratio"] == pytest.approx(0.5 / 0.1)
+    assert one["speculative"]["mean_draft_length"] == 2.0 and one["speculative"]["speculation_off_share"] == 0.25
+    assert one["off"]["mean_draft_length"] is None
+    assert four["throughput_ratio"] is None and four["ttft_p50_ratio"] is None
+    # an even count takes the lower middle run: a real run, not an average
+    pair = [fake_run("speculative", 2, 9.0, 0.1, k=1.0), fake_run("speculative", 2, 5.0, 0.1, k=1.0)]
+    assert loadtest.median_run(pair, [0, 1]) == 1
+
+
+def test_machine_info_names_the_cpu_and_its_bf16_support():
+    machine = loadtest.machine_info()
+    assert isinstance(machine["cpu_model"], str) and machine["cpu_model"]
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        flags = next(line for line in cpuinfo.read_text().splitlines() if line.startswith("flags"))
+        assert machine["avx512_bf16"] is ("avx512_bf16" in flags.split())
+        assert machine["cpu_model"] in cpuinfo.read_text()
+
+
+def test_prose_workload_is_llmperf_style_sonnet_lines():
+    prompts = loadtest.load_prompts(loadtest.PROSE_PROMPTS)
+    assert 18 <= len(prompts) <= 24
+    lines = [json.loads(line) for line in loadtest.PROSE_PROMPTS.read_text().splitlines()]
+    assert {line["kind"] for line in lines} == {"prose"}
+    for prompt in prompts:
+        instruction, _, text = prompt.partition(":\n\n")
+        assert instruction.endswith("Don't generate eos tokens")
+        assert 90 <= len(prompt.split()) <= 140  # ≈ 150 tokens of verse
+        assert len(text.splitlines()) >= 10
+    assert len(set(prompts)) == len(prompts)
+
+
 def test_prompts_file_ships_and_bad_files_say_why(tmp_path):
     prompts = loadtest.load_prompts()
     assert len(prompts) >= 20
@@ -186,6 +271,49 @@ async def test_speculation_off_reports_no_acceptance(tiny_stack):
     assert run["mean_accepted_length"] == 1.0
 
 
+async def test_compare_mode_measures_both_modes_per_concurrency(tiny_stack, tmp_path):
+    settings = settings_for(f"127.0.0.1:{tiny_stack.orchestrator.port}")
+    report = await loadtest.run_loadtest(settings, requests=3, concurrency=[1, 2], compare=True, repeats=2)
+    report = json.loads(json.dumps(report))  # the report is plain JSON
+    runs = report["runs"]
+    assert [(r["concurrency"], r["mode"], r["repeat"]) for r in runs] == loadtest.compare_plan([1, 2], 2)
+    for run in runs:
+        assert run["errors"] == {} and run["output_tokens"] == 3 * 8
+        if run["mode"] == "off":  # K = 0: nothing drafted
+            assert run["acceptance_rate"] is None and run["mean_draft_length"] is None
+            assert run["acceptance_by_position"] == [] and run["speculation_off_share"] == 1.0
+        else:
+            check_run(run, requests=3, max_new_tokens=8)
+            assert 0 < run["mean_draft_length"] <= 3 and run["speculation_off_share"] < 1.0
+    assert [entry["concurrency"] for entry in report["comparison"]] == [1, 2]
+    for entry in report["comparison"]:
+        spec, off = runs[entry["speculative"]["run"]], runs[entry["off"]["run"]]
+        assert (spec["mode"], off["mode"]) == ("speculative", "off")
+        assert spec["concurrency"] == off["concurrency"] == entry["concurrency"]
+        assert entry["throughput_ratio"] == pytest.approx(spec["output_tokens_per_s"] / off["output_tokens_per_s"])
+        assert entry["ttft_p50_ratio"] == pytest.approx(spec["ttft_s"]["p50"] / off["ttft_s"]["p50"])
+        assert entry["speculative"]["output_tokens_per_s"] == min(entry["speculative"]["output_tokens_per_s_all"])
+        assert len(entry["off"]["output_tokens_per_s_all"]) == 2
+        assert entry["speculative"]["mean_draft_length"] == spec["mean_draft_length"] > 0
+        assert entry["speculative"]["target_tokens_per_pass"] == spec["target_tokens_per_pass"] >= 1
+        assert entry["off"]["mean_draft_length"] is None
+    assert report["settings"]["compare"] is True and report["settings"]["repeats"] == 2
+    assert report["settings"]["machine"]["cpu_model"]
+    loadtest.save_plot(report, tmp_path / "compare.png")
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
+    assert loadtest.comparison_table(report).row_count == 2
+    assert loadtest.summary_table(report).row_count == 8
+
+
+async def test_compare_mode_refuses_open_loop_and_speculation_off():
+    for overrides, rates in (({}, [2.0]), ({"draft_tokens": 0}, [])):
+        with pytest.raises(ValueError, match="compare"):
+            await loadtest.run_loadtest(
+                settings_for("127.0.0.1:1", **overrides), requests=1, concurrency=[1], rates=rates, compare=True
+            )
+
+
 async def test_unreachable_server_counts_unavailable_instead_of_crashing(tmp_path):
     settings = settings_for(f"127.0.0.1:{free_port()}", timeout=10.0)
     report = await loadtest.run_loadtest(settings, requests=3, concurrency=[2], rates=[50.0])
@@ -205,24 +333,15 @@ def cli(argv: list[str]) -> int:
     return args.run(args)
 
 
+def sweep_argv(stack, requests: int, *extra: str) -> list[str]:
+    """`specd loadtest` over concurrency 1,2 with K = 2 and 6 tokens per request against the stack."""
+    server = f"127.0.0.1:{stack.orchestrator.port}"
+    return ["loadtest", "--server", server, "--concurrency", "1,2", "--requests", str(requests),
+            "--max-new-tokens", "6", "--draft-tokens", "2", *extra]  # fmt: skip
+
+
 async def test_command_line_writes_json_and_plot(tiny_stack, tmp_path):
-    argv = [
-        "loadtest",
-        "--server",
-        f"127.0.0.1:{tiny_stack.orchestrator.port}",
-        "--concurrency",
-        "1,2",
-        "--requests",
-        "3",
-        "--max-new-tokens",
-        "6",
-        "--draft-tokens",
-        "2",
-        "--json",
-        str(tmp_path / "out.json"),
-        "--plot",
-        str(tmp_path / "out.png"),
-    ]
+    argv = sweep_argv(tiny_stack, 3, "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png"))
     # the command runs its own event loop (asyncio.run): keep it off the loop serving the tiny stack
     assert await asyncio.to_thread(cli, argv) == 0
     report = json.loads((tmp_path / "out.json").read_text())
@@ -236,3 +355,39 @@ async def test_command_line_rejects_a_missing_prompts_file(tmp_path):
 
     with pytest.raises(UserError, match="not found"):
         cli(["loadtest", "--server", "127.0.0.1:1", "--prompts", str(tmp_path / "nope.jsonl")])
+
+
+async def test_command_line_compare_writes_both_modes_and_their_plot(tiny_stack, tmp_path):
+    argv = sweep_argv(
+        tiny_stack, 2, "--compare", "--prompts", str(loadtest.PROSE_PROMPTS),
+        "--json", str(tmp_path / "compare.json"), "--plot", str(tmp_path / "compare.png"),
+    )  # fmt: skip
+    assert await asyncio.to_thread(cli, argv) == 0
+    report = json.loads((tmp_path / "compare.json").read_text())
+    assert [(run["concurrency"], run["mode"]) for run in report["runs"]] == [
+        (1, "speculative"),
+        (1, "off"),
+        (2, "off"),
+        (2, "speculative"),
+    ]
+    assert all(run["output_tokens"] == 12 and run["errors"] == {} for run in report["runs"])
+    assert [entry["concurrency"] for entry in report["comparison"]] == [1, 2]
+    assert all(entry["throughput_ratio"] > 0 for entry in report["comparison"])
+    assert report["settings"]["prompts_file"].endswith("prose.jsonl") and report["settings"]["draft_tokens"] == 2
+    assert (tmp_path / "compare.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--compare", "--no-speculation"], "drop --no-speculation"),
+        (["--compare", "--rate", "2"], "drop --rate"),
+        (["--compare", "--draft-tokens", "0"], "off with off"),
+        (["--repeats", "3"], "--repeats applies to --compare"),
+    ],
+)
+def test_command_line_refuses_compare_with_contradicting_flags(flags, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["loadtest", "--server", "127.0.0.1:1", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
