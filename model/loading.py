@@ -98,7 +98,10 @@ INT4_GROUP_SIZE = 128
 
 
 def set_threads(threads: int | None) -> None:
-    torch.set_num_threads(threads or os.cpu_count() or 1)
+    """Torch's threads: `threads`, else one per core this process may run on (its affinity: a
+    container's cpuset or `taskset`, as `specd up` counts them, deploy/local.py usable_cores)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch.set_num_threads(threads or usable or 1)
 
 
 def load_model(

@@ -20,6 +20,13 @@ is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B
 rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
 load), K shrinks and turns off, and turns back on when B falls.
 
+Turning speculation on has a price of its own: the draft first catches up on every token it has
+not seen (the prompt on a request's first speculative step; the tokens of the target-only steps
+since it was last asked). That catch-up is paid once and spread over the steps left:
+    seconds(K) += catch-up(tokens behind) · E[tokens](K) / tokens left        (K > 0, when off)
+and, from off, K > 0 must beat target-only by ON_MARGIN: on a CPU the two services share the
+cores, and a draft that catches up slows the other streams' passes by more than it costs its own.
+
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
@@ -38,6 +45,7 @@ FIRST_K = 4  # the first speculative step on a fresh worker, before t_verify(K) 
 PROBE_MIN_STEPS = 4
 PROBE_MAX_STEPS = 32
 DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
+ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -110,6 +118,7 @@ class ServiceCosts:
     target_pass: PassTime = field(default_factory=PassTime)  # the target's batched passes
     target_calls: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # calls per target pass: the load B
     draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
+    draft_catchup: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # seconds per token the draft catches up on
 
     def record_target_pass(self, served: PassCost) -> None:
         """B is the streams the target holds, not only those this pass carried: when speculating
@@ -129,6 +138,16 @@ class ServiceCosts:
         if served:
             self.draft_forward.add(served.calls, served.seconds / k)
         self.rtt_draft.add(rtt)
+
+    def record_catchup(self, behind: int, seconds: float, k: int) -> None:
+        """A Propose of K that first caught up on `behind` tokens: what it cost beyond K guesses, per token."""
+        guesses = k * (self.draft_seconds() or 0.0)
+        self.draft_catchup.add(max(0.0, seconds - guesses) / behind)
+
+    def catchup_seconds(self, behind: int) -> float:
+        """What the draft's catching up on `behind` tokens costs (until measured: a guess's time each)."""
+        per_token = self.draft_catchup.value if self.draft_catchup.value is not None else self.draft_seconds()
+        return behind * (per_token or 0.0)
 
     def load(self) -> float:
         """B: calls per target pass lately (1 before anything is known)."""
@@ -166,12 +185,26 @@ class ServiceCosts:
 
 
 def best_draft_length(
-    alpha: float, t_draft: float, t_verify, rtt_draft: float, rtt_target: float, max_k: int, min_k: int = 0
+    alpha: float,
+    t_draft: float,
+    t_verify,
+    rtt_draft: float,
+    rtt_target: float,
+    max_k: int,
+    min_k: int = 0,
+    switch_on: float = 0.0,
+    tokens_left: int = 1,
+    margin: float = 1.0,
 ) -> int:
-    """argmax over K in min_k..max_k of E[tokens](K) / seconds(K); t_verify is a function of K."""
+    """argmax over K in min_k..max_k of E[tokens](K) / seconds(K); t_verify is a function of K.
+    switch_on: the seconds turning speculation on costs once (the draft's catch-up), spread over
+    the steps left; margin: how much more than target-only a K > 0 must promise."""
 
     def rate(k: int) -> float:
-        return tokens_per_second(alpha, k, t_draft, t_verify(k), rtt_target + (rtt_draft if k else 0.0))
+        if not k:
+            return tokens_per_second(alpha, 0, t_draft, t_verify(0), rtt_target)
+        once = switch_on * expected_tokens(alpha, k) / max(1, tokens_left)
+        return tokens_per_second(alpha, k, t_draft, t_verify(k), rtt_target + rtt_draft + once) / margin
 
     return max(range(min_k, max_k + 1), key=rate)
 
@@ -185,15 +218,18 @@ class AdaptiveK:
         self.alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.alpha.value)
         self.off_steps = 0
         self.probe_every = PROBE_MIN_STEPS
+        self.on: bool | None = None  # did the last choice draft (None: none yet)? On: K > 0 has no switch-on price
 
-    def next_k(self, tokens_left: int) -> int:
-        """K for the next step (0: target-only)."""
+    def next_k(self, tokens_left: int, behind: int = 0) -> int:
+        """K for the next step (0: target-only). behind: tokens the draft would first catch up on
+        (beyond the last committed one, which every call sends); counted when turning on from off."""
         max_k = min(self.max_k, tokens_left - 1)  # the target adds one token of its own
         if max_k < 1:
             return 0
         if not self.costs.ready():
             return self._explore(max_k)
-        k = self._best(max_k)
+        k = self._best(max_k) if self.on else self._best(max_k, behind, tokens_left, margin=self.on is False)
+        self.on = k > 0
         if k:
             self.off_steps, self.probe_every = 0, PROBE_MIN_STEPS
             return k
@@ -203,7 +239,7 @@ class AdaptiveK:
         if self.off_steps < self.probe_every:
             return 0
         self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
-        return self._best(max_k, min_k=1)  # the probe: the best K if speculating at all
+        return self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
 
     def observe(self, k: int, accepted: int) -> None:
         """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""
@@ -217,8 +253,17 @@ class AdaptiveK:
             return 0
         return min(FIRST_K, max_k)
 
-    def _best(self, max_k: int, min_k: int = 0, calls: float | None = None) -> int:
-        """The best K at `calls` calls per pass (default: the load now)."""
+    def _best(
+        self,
+        max_k: int,
+        behind: int = 0,
+        tokens_left: int = 1,
+        margin: bool = False,
+        min_k: int = 0,
+        calls: float | None = None,
+    ) -> int:
+        """The best K at `calls` calls per pass (default: the load now); turning on costs the catch-up
+        on `behind` tokens, spread over tokens_left, and with `margin` must beat off by ON_MARGIN."""
         costs = self.costs
         return best_draft_length(
             self.alpha.value,
@@ -228,4 +273,7 @@ class AdaptiveK:
             costs.rtt_target.value or 0.0,
             max_k,
             min_k,
+            switch_on=costs.catchup_seconds(behind),
+            tokens_left=tokens_left,
+            margin=ON_MARGIN if margin else 1.0,
         )

@@ -204,7 +204,8 @@ class Generation:
         committed = self.committed
         # 1. Propose: the draft guesses K tokens after the committed ones. No guesses when K is 0
         #    or the draft is down or slow: then the step runs target-only (fail closed).
-        proposal, draft_time = await self.propose(committed, self.draft_length())
+        behind = self.draft.behind(committed)
+        proposal, draft_time = await self.propose(committed, self.draft_length(behind))
         guesses = [] if proposal is None else list(proposal.draft_tokens)
         # 2. Verify: the target scores the committed tail and the guesses in one pass, keeps the
         #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
@@ -216,18 +217,19 @@ class Generation:
         else:
             verdict, served = await self.target.decode(committed, self.sampling)
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
-        self.record(len(guesses), verdict.accepted, draft_time, (time.perf_counter() - started, served))
+        self.record(len(guesses), verdict.accepted, draft_time, (time.perf_counter() - started, served), behind)
         # 4. Commit what the target emitted, cut at EOS or the token budget.
         return self.commit(list(verdict.emitted_tokens))
 
-    def draft_length(self) -> int:
-        """K for this step: fixed, or the chooser's; never more than the tokens left minus the target's
-        own; 0 for the first step (the first token comes from the target alone)."""
+    def draft_length(self, behind: int = 0) -> int:
+        """K for this step: fixed, or the chooser's (`behind`: tokens the draft would first catch up
+        on); never more than the tokens left minus the target's own; 0 for the first step (the
+        first token comes from the target alone)."""
         left = self.request.max_new_tokens - self.generated
         if self.stats.steps == 0:
             return 0
         if self.chooser:
-            return self.chooser.next_k(left)
+            return self.chooser.next_k(left, behind)
         return max(0, min(self.request.draft_tokens, left - 1))
 
     async def propose(self, committed: list[int], k: int) -> tuple:
@@ -250,8 +252,9 @@ class Generation:
         self.draft_gate.succeeded()
         return proposal, (time.perf_counter() - started, served)
 
-    def record(self, k: int, accepted: int, draft: tuple, verify: tuple) -> None:
-        """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds or None)."""
+    def record(self, k: int, accepted: int, draft: tuple, verify: tuple, behind: int = 0) -> None:
+        """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds
+        or None); behind: the tokens the draft caught up on first."""
         self.stats.record_times(*draft, *verify)
         self.stats.record_step(k, accepted)
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
@@ -261,6 +264,8 @@ class Generation:
             self.costs.record_target_pass(self.target.last_pass)
         if k and self.draft_in_step:  # after target-only steps the call also caught up on their tokens
             self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
+        elif k and behind:  # wall time: a draft that held nothing was sent a Prefill first
+            self.costs.record_catchup(behind, draft[0], k)
         if k and self.chooser:
             self.chooser.observe(k, accepted)
         self.draft_in_step = k > 0

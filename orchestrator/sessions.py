@@ -84,6 +84,11 @@ class RemoteSession:
             tokens=committed[start:],
         )
 
+    def behind(self, committed: list[int]) -> int:
+        """Committed tokens the next call must send beyond the last one (which every call sends):
+        what the service has to catch up on first."""
+        return len(committed) - 1 - self.cursor(committed).start
+
     # -- one method per RPC ----------------------------------------------------------------------
     # Each returns (reply, seconds the service says it spent, or None), and raises ServiceFailed
     # when the service refuses for good or stays unavailable past the retry window.

@@ -10,6 +10,7 @@ K = 4 at 1.58× (docs/architecture.md §7's "about 1.6× at K = 4"); α = 0.5, c
 import pytest
 
 from specd.orchestrator.adaptive import (
+    ON_MARGIN,
     PROBE_MAX_STEPS,
     PROBE_MIN_STEPS,
     AdaptiveK,
@@ -19,6 +20,7 @@ from specd.orchestrator.adaptive import (
     ServiceCosts,
     best_draft_length,
     expected_tokens,
+    tokens_per_second,
 )
 
 
@@ -186,3 +188,36 @@ def test_a_request_starts_from_the_workers_recent_acceptance():
     second = AdaptiveK(costs, max_k=8)
     assert second.alpha.value == costs.alpha.value
     assert second.next_k(100) == 0
+
+
+def test_turning_on_pays_the_drafts_catch_up_spread_over_the_tokens_left():
+    """The first speculative step (or one after target-only steps) first feeds the draft every token
+    it has not seen: worth it for a long completion, not for the last few tokens of a long prompt."""
+    costs = measured_costs(0.1, {0: 1.0, 8: 1.0}, alpha=0.8)
+    assert costs.catchup_seconds(10) == pytest.approx(10 * 0.1)  # until measured: a guess's time per token
+    costs.record_catchup(behind=100, seconds=4 * 0.1 + 2.0, k=4)
+    assert costs.catchup_seconds(100) == pytest.approx(2.0)
+    assert AdaptiveK(costs, max_k=8).next_k(tokens_left=500, behind=100) > 0
+    assert AdaptiveK(costs, max_k=8).next_k(tokens_left=8, behind=1000) == 0
+    chooser = AdaptiveK(costs, max_k=8)
+    assert chooser.next_k(tokens_left=500, behind=100) > 0
+    assert chooser.next_k(tokens_left=8, behind=1000) > 0  # on already: the draft is in step, nothing to pay
+
+
+def test_from_off_speculation_must_beat_target_only_by_a_margin():
+    """Hysteresis: a stream the chooser turned off comes back on only for a clear gain, so streams
+    at the edge do not flip on and off (each switch costs the draft a catch-up beside the target)."""
+    costs = measured_costs(0.1, {0: 1.0, 4: 1.0}, alpha=0.7)
+    chooser = AdaptiveK(costs, max_k=1)
+    rate = lambda k: tokens_per_second(0.7, k, 0.1, costs.verify_seconds(k), 0.0)  # noqa: E731
+    assert chooser.next_k(100) == 1 and rate(1) / rate(0) > ON_MARGIN  # 1.7 tokens / 1.1 s against 1 / 1 s
+    for _ in range(20):
+        costs.record_verify(1, 2.0, 0.0)  # the verify got dearer: K = 1 now loses
+    assert chooser.next_k(100) == 0
+    for _ in range(20):
+        costs.record_verify(1, 1.52, 0.0)  # a 1.05x gain again: not enough to switch back on
+    assert 1.0 < rate(1) / rate(0) < ON_MARGIN
+    assert chooser.next_k(100) == 0 and chooser._best(1) == 1
+    for _ in range(20):
+        costs.record_verify(1, 1.0, 0.0)
+    assert chooser.next_k(100) == 1
