@@ -4,7 +4,8 @@ All model work runs on one thread (torch must not block the event loop, and a se
 never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
 the oldest call and, if that call batches, every later waiting call of the same kind that
 fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
-was waiting at that moment; before it starts, it gives the sessions the last pass served a
+was waiting at that moment (a call of many new tokens, such as a prefill, runs alone: a padded
+pass pays every row's length as the longest's); before it starts, it gives the sessions the last pass served a
 few milliseconds to come back, so streams that alternate fall into step and share passes. The
 oldest call always runs next, so nothing starves: a call waits at most for the passes of the
 calls that were queued before it.
@@ -49,6 +50,9 @@ class Bounds:
     max_batch_size: int = 16  # calls in one pass
     max_batch_tokens: int = 256  # new tokens in one pass (the oldest call runs even if larger)
     batch_wait_s: float = 0.01  # how long a pass may wait for the sessions the last one served
+    # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own: a padded
+    # pass computes every row as long as its longest (model/batch.py).
+    max_shared_call_tokens: int = 32
 
 
 class Scheduler:
@@ -116,13 +120,13 @@ class Scheduler:
     def _take_batch(self) -> list[Job]:
         """The oldest job, plus the later ones that can share its pass (called under the lock)."""
         first = self.queue.popleft()
-        if first.kind is None:
+        if first.kind is None or first.cost > self.bounds.max_shared_call_tokens:
             return [first]
         batch, tokens, sessions = [first], first.cost, {first.session_id}
         for job in list(self.queue):
             if len(batch) == self.bounds.max_batch_size:
                 break
-            fits = tokens + job.cost <= self.bounds.max_batch_tokens
+            fits = tokens + job.cost <= self.bounds.max_batch_tokens and job.cost <= self.bounds.max_shared_call_tokens
             if job.kind == first.kind and fits and job.session_id not in sessions:
                 self.queue.remove(job)
                 batch.append(job)

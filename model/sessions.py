@@ -44,21 +44,21 @@ class SessionStore:
     def cached_tokens(self) -> int:
         return sum(len(session.tokens) for session in self.sessions.values())
 
-    def open(self, cursor: Cursor) -> Session:
-        """The session for a Prefill: created if new, else synced like any call."""
+    def open(self, cursor: Cursor, extra_tokens: int = 0) -> Session:
+        """The session for a Prefill, or for a call from token 0: created if new, else synced like any call."""
         if not 0 < len(cursor.session_id) <= 128:
             raise InvalidRequest("session_id must be 1..128 characters")
         if cursor.session_id in self.sessions:
-            return self.sync(cursor)
+            return self.sync(cursor, extra_tokens)
         if cursor.start != 0:
             raise CursorMismatch(f"session {cursor.session_id!r} is new", 0, 0)
         if len(self.sessions) >= self.limits.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} live sessions, the limit is {self.limits.max_sessions}")
         self.sessions[cursor.session_id] = Session(cursor.session_id)
         try:
-            return self.sync(cursor)
+            return self.sync(cursor, extra_tokens)
         except EngineError:
-            del self.sessions[cursor.session_id]  # a refused Prefill leaves nothing behind
+            del self.sessions[cursor.session_id]  # a refused call leaves nothing behind
             raise
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
@@ -71,8 +71,11 @@ class SessionStore:
         """Check the cursor, roll the session back to `start`, reserve room for the new tokens.
 
         Checks come before any change: a refused call leaves the session as it was.
-        `extra_tokens`: tokens the call will add beyond cursor.tokens (drafts).
+        `extra_tokens`: tokens the call will add beyond cursor.tokens (drafts). A cursor from token 0
+        for a session the store does not hold opens it: the call is its prefill (docs/architecture.md §3).
         """
+        if cursor.start == 0 and cursor.session_id not in self.sessions:
+            return self.open(cursor, extra_tokens)
         self.check_tokens(cursor.tokens, "cursor tokens")
         session = self.get(cursor.session_id)
         self._check_cursor(session, cursor)

@@ -27,6 +27,11 @@ since it was last asked). That catch-up is paid once and spread over the steps l
 and, from off, K > 0 must beat target-only by ON_MARGIN: on a CPU the two services share the
 cores, and a draft that catches up slows the other streams' passes by more than it costs its own.
 
+The load model assumes every stream drafts the same K, so that the passes stay full. Streams that
+disagree break them: a stream at the draft misses the pass the others decode in, and its verify
+takes a pass of its own (each pass reads the weights again). So under load (B ≥ SHARED_LOAD)
+every request prices K at the worker's α, not its own, and the streams of a worker decide alike.
+
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
@@ -46,6 +51,7 @@ PROBE_MIN_STEPS = 4
 PROBE_MAX_STEPS = 32
 DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
 ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
+SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -266,7 +272,7 @@ class AdaptiveK:
         on `behind` tokens, spread over tokens_left, and with `margin` must beat off by ON_MARGIN."""
         costs = self.costs
         return best_draft_length(
-            self.alpha.value,
+            self.alpha.value if costs.load() < SHARED_LOAD else costs.alpha.value,
             costs.draft_seconds(calls),
             lambda k: costs.verify_seconds(k, calls),
             costs.rtt_draft.value or 0.0,

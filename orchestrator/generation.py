@@ -1,7 +1,9 @@
-"""One request, end to end: prefill both services, then propose -> verify -> commit until done.
+"""One request, end to end: the target's first token, then propose -> verify -> commit until done.
 
 Protocol (per request):
-  1. Prefill: both services cache the prompt minus its last token (in parallel).
+  1. The first step is the target's alone: its Decode carries the whole prompt (a call from token
+     0 opens the session, docs/architecture.md §3), so the first token costs one pass. The draft
+     is opened the same way by its first Propose, when the chooser first drafts.
   2. Step (`Generation.step`): choose K (fixed, or adaptive.py's best for the measured α and
      costs); the draft proposes K tokens; the target verifies them in one pass and emits
      accepted + 1 tokens; the orchestrator commits them and streams the new text.
@@ -171,7 +173,6 @@ class Generation:
         """Yield Delta events, then one Finished."""
         started = time.perf_counter()
         try:
-            await self.prefill()
             reason = None
             while reason is None:
                 emitted, reason = await self.step()
@@ -192,12 +193,6 @@ class Generation:
         self.stats.completion_tokens = self.generated
         self.stats.resyncs = self.draft.resyncs + self.target.resyncs
         return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
-
-    async def prefill(self) -> None:
-        """The target caches the prompt. The first token never waits for the draft: the first step
-        is target-only, and the draft is prefilled by its first Propose (the cursor from 0), so a
-        request the chooser keeps target-only never touches the draft at all."""
-        await self.target.prefill(self.committed)
 
     async def step(self) -> tuple[list[int], str | None]:
         """One step: propose -> verify -> commit. Returns the committed tokens and a finish reason (None: go on)."""
@@ -264,7 +259,7 @@ class Generation:
             self.costs.record_target_pass(self.target.last_pass)
         if k and self.draft_in_step:  # after target-only steps the call also caught up on their tokens
             self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
-        elif k and behind:  # wall time: a draft that held nothing was sent a Prefill first
+        elif k and behind:
             self.costs.record_catchup(behind, draft[0], k)
         if k and self.chooser:
             self.chooser.observe(k, accepted)

@@ -11,7 +11,7 @@ the tokens that service holds KV for, as far as the orchestrator can vouch. Each
      everything rather than trust a cache it cannot vouch for;
   3. when the service disagrees, resyncs and sends again: FAILED_PRECONDITION says what the
      service holds (the record becomes the committed prefix it still shares), NOT_FOUND means
-     it holds nothing (restart, eviction: a full re-prefill).
+     it holds nothing (restart, eviction: everything again, from token 0).
 Nothing is lost and nothing is silently wrong: every cursor carries a fingerprint the service
 checks (docs/architecture.md §3). Timeouts, retries and back-off follow faults.py's policy.
 """
@@ -63,8 +63,8 @@ class RemoteSession:
         self.name = name  # "draft" or "target", for messages
         self.policy = policy
         self.retry_window_s = policy.target_retry_s if required else 0.0  # the draft is optional: no retries
-        self.held: list[int] | None = None  # the record; None: no session there yet (or lost): Prefill first
-        self.opened = False  # a Prefill was sent: Release at the end
+        self.held: list[int] | None = None  # the record; None: no session there yet (or lost): send from 0
+        self.opened = False  # a call that may have opened it was sent: Release at the end
         self.resyncs = 0
         self.last_pass: PassCost | None = None  # the batched pass that served the last call, as it said
 
@@ -94,7 +94,8 @@ class RemoteSession:
     # when the service refuses for good or stays unavailable past the retry window.
 
     async def prefill(self, committed: list[int]) -> None:
-        """Open the session holding the committed tokens but the last (the first call sends that one)."""
+        """Open the session ahead, holding the committed tokens but the last (the first call sends
+        that one). Optional: a first call without it opens the session from token 0 itself."""
         await self._retrying(lambda: self._open(committed))
 
     async def propose(self, committed: list[int], k: int, sampling: common_pb2.SamplingParams):
@@ -103,8 +104,8 @@ class RemoteSession:
             committed,
             lambda cursor: self.stub.Propose(
                 draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=sampling),
-                timeout=self.timeout(self.policy.propose_timeout_s),
-            ),
+                timeout=self.timeout(self.policy.propose_timeout_s if len(cursor.tokens) <= 2 else None),
+            ),  # a Propose that first catches up (opens the session, or follows target-only steps): a prefill's cap
         )
         self._record(committed + list(reply.draft_tokens), reply.cached_tokens)
         return reply, seconds
@@ -171,8 +172,8 @@ class RemoteSession:
             nonlocal resyncs_left
             while True:
                 try:
-                    if self.held is None:
-                        await self._open(committed)  # new, restarted or evicted: a full prefill
+                    if self.held is None:  # new, restarted or evicted: the call from token 0 is its prefill
+                        self.held, self.opened = [], True  # opened before the call: a lost reply still gets a Release
                     reply, seconds, self.last_pass = await _served(send(self.cursor(committed)))
                     return reply, seconds
                 except grpc.aio.AioRpcError as error:

@@ -13,6 +13,7 @@ from specd.orchestrator.adaptive import (
     ON_MARGIN,
     PROBE_MAX_STEPS,
     PROBE_MIN_STEPS,
+    SHARED_LOAD,
     AdaptiveK,
     Ewma,
     PassCost,
@@ -221,3 +222,14 @@ def test_from_off_speculation_must_beat_target_only_by_a_margin():
     for _ in range(20):
         costs.record_verify(1, 1.0, 0.0)
     assert chooser.next_k(100) == 1
+
+
+def test_under_load_the_requests_of_a_worker_decide_alike():
+    """With streams sharing the target's passes, a request that drafts while the others decode breaks
+    the batch: every request then prices K at the worker's α, not its own."""
+    costs = measured_costs(0.03, {0: 0.2, 4: 0.24}, alpha=0.75)
+    easy, hard = AdaptiveK(costs, max_k=8), AdaptiveK(costs, max_k=8)
+    easy.alpha, hard.alpha = Ewma(0.0, 0.98), Ewma(0.0, 0.3)
+    assert easy._best(8) != hard._best(8)  # alone (B = 1) each follows its own text
+    cpu_like_load(costs, 4)
+    assert costs.load() >= SHARED_LOAD and easy._best(8) == hard._best(8)

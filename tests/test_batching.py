@@ -174,6 +174,22 @@ def test_scheduler_gathers_waiting_calls_first_come_first_served():
     scheduler.close()
 
 
+def test_a_long_call_runs_in_a_pass_of_its_own():
+    """A prefill-sized call (a Decode from token 0) would make a padded pass compute every row as
+    long as itself: it runs alone, and the short calls around it share their passes."""
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8, max_batch_tokens=256, max_shared_call_tokens=32))
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    verify = run_recording(passes)
+    costs = {1: 1, 2: 100, 3: 6, 4: 33, 5: 1}
+    futures = [scheduler.submit(Job(verify, i, kind="verify", cost=c, session_id=f"s{i}")) for i, c in costs.items()]
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50] and blocker.result(5) == 0
+    assert passes == [[0], [1, 3, 5], [2], [4]]
+    scheduler.close()
+
+
 def test_scheduler_runs_an_oversized_call_and_skips_abandoned_ones():
     passes = []
     scheduler = Scheduler(Bounds(max_batch_size=4, max_batch_tokens=8))

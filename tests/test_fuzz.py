@@ -47,6 +47,9 @@ class Tracker:
 
     def __init__(self):
         self.held: dict[str, list[int]] = {}
+        # Sessions a failed call from token 0 may have opened: it ran, then its reply was lost
+        # (say, over the client's message limit). Released after each example, as the orchestrator does.
+        self.uncertain: set[str] = set()
 
     def cursor(self, data) -> common_pb2.SessionCursor:
         session = data.draw(st.sampled_from(SESSIONS * 4 + ["", "x" * 129]) | st.text(max_size=6))
@@ -65,6 +68,14 @@ class Tracker:
     def answered(self, cursor: common_pb2.SessionCursor, extra: list[int], cached: int) -> None:
         believed = self.held.get(cursor.session_id, [])[: cursor.start]
         self.held[cursor.session_id] = (believed + list(cursor.tokens) + extra)[:cached]
+
+
+RAW_REQUESTS = {
+    "Prefill": common_pb2.PrefillRequest,
+    "Propose": draft_pb2.ProposeRequest,
+    "Verify": target_pb2.VerifyRequest,
+    "Decode": target_pb2.DecodeRequest,
+}
 
 
 async def send(stub, method: str, request):
@@ -94,17 +105,15 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
         method = data.draw(st.sampled_from(["Prefill", "Release", "Info", *session_methods]))
         payload = data.draw(st.binary(max_size=48))
         code = await send_raw(channel, service, method, payload)
-        if code == grpc.StatusCode.OK and method in ("Prefill", "Release"):
-            parsed = (common_pb2.PrefillRequest if method == "Prefill" else common_pb2.ReleaseRequest).FromString(
-                payload
-            )
-            if method == "Prefill":
-                live.add(parsed.cursor.session_id)
-                tracker.held.pop(
-                    parsed.cursor.session_id, None
-                )  # unknown contents now: refresh via FAILED_PRECONDITION
+        if code == grpc.StatusCode.OK and method == "Release":
+            live.discard(common_pb2.ReleaseRequest.FromString(payload).session_id)
+        elif method != "Info" and code in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED):
+            session_id = RAW_REQUESTS[method].FromString(payload).cursor.session_id
+            if code == grpc.StatusCode.OK:  # a call from token 0 opens its session
+                live.add(session_id)
+                tracker.held.pop(session_id, None)  # unknown contents now: refresh via FAILED_PRECONDITION
             else:
-                live.discard(parsed.session_id)
+                tracker.uncertain.add(session_id)
         return
     if kind == "Release":
         session = data.draw(st.sampled_from(SESSIONS) | st.text(max_size=4))
@@ -126,9 +135,12 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
             sampling=data.draw(samplings),
         )
         code, reply = await send(stub, "Propose", request)
+        if reply is None and cursor.start == 0:
+            tracker.uncertain.add(cursor.session_id)
         if reply is not None:
             assert len(reply.draft_tokens) == request.num_draft_tokens
             assert all(token < VOCAB for token in reply.draft_tokens)
+            live.add(cursor.session_id)  # opened by this call if it started at token 0
             tracker.answered(cursor, list(reply.draft_tokens), reply.cached_tokens)
     else:  # Verify or Decode
         sampling = data.draw(samplings)
@@ -144,10 +156,13 @@ async def one_call(data, stub, channel, service: str, tracker: Tracker, live: se
         else:
             request = target_pb2.DecodeRequest(cursor=cursor, sampling=sampling)
         code, reply = await send(stub, kind, request)
+        if reply is None and cursor.start == 0:
+            tracker.uncertain.add(cursor.session_id)
         if reply is not None:
             drafts = list(getattr(request, "draft_tokens", []))
             assert reply.accepted <= len(drafts) and len(reply.emitted_tokens) == reply.accepted + 1
             assert all(token < VOCAB for token in reply.emitted_tokens)
+            live.add(cursor.session_id)  # opened by this call if it started at token 0
             tracker.answered(cursor, drafts[: reply.accepted], reply.cached_tokens)
 
 
@@ -184,7 +199,12 @@ def fuzz_service(role: str, session_methods: list[str]):
         channel = getattr(tiny_services, f"{role}_channel")
         for _ in range(data.draw(st.integers(1, 3))):
             await one_call(data, stub, channel, service, state[0], state[1], session_methods)
-        await check_live(stub, state[1])
+        tracker, live = state[0], state[1]
+        for session in tracker.uncertain - live:
+            await stub.Release(common_pb2.ReleaseRequest(session_id=session))
+            tracker.held.pop(session, None)
+        tracker.uncertain.clear()
+        await check_live(stub, live)
         state[2].append(1)
         if len(state[2]) % 100 == 0:  # every 100 cases: empty the service, then a good call must work
             for session in state[1]:

@@ -124,6 +124,8 @@ class FakeService:
     def _sync(self, cursor: common_pb2.SessionCursor) -> list[int]:
         assert cursor.tokens, "every call carries at least the last committed token"
         held = self.sessions.get(cursor.session_id)
+        if held is None and cursor.start == 0:  # a call from token 0 opens the session
+            held = self.sessions[cursor.session_id] = []
         if held is None:
             raise error(Code.NOT_FOUND)
         if cursor.start > len(held) or fingerprint(held[: cursor.start]) != cursor.fingerprint:
@@ -206,11 +208,13 @@ async def test_prefill_holds_all_but_the_last_token_and_the_first_call_sends_it(
     assert seconds == pytest.approx(0.002) and in_sync(remote, target) and remote.held == PROMPT
 
 
-async def test_a_session_never_prefilled_is_prefilled_by_its_first_call():
+async def test_a_session_never_prefilled_is_opened_by_its_first_call_from_token_0():
     draft = FakeService(draft_rule)
     remote = session(draft, required=False)
     reply, _ = await remote.propose(PROMPT, 3, GREEDY)
-    assert draft.methods() == ["Prefill", "Propose"] and remote.resyncs == 0
+    assert draft.methods() == ["Propose"] and remote.resyncs == 0 and remote.opened
+    cursor = draft.cursors("Propose")[0]
+    assert (cursor.start, list(cursor.tokens)) == (0, PROMPT)
     assert remote.held == PROMPT + list(reply.draft_tokens[:2]) and in_sync(remote, draft)
 
 
@@ -313,8 +317,8 @@ async def test_not_found_re_prefills_then_sends_again():
     await remote.prefill(PROMPT)
     draft.sessions.clear()  # restarted or evicted
     reply, _ = await remote.propose(PROMPT, 2, GREEDY)
-    assert draft.methods() == ["Prefill", "Propose", "Prefill", "Propose"]
-    assert list(draft.calls[2][1].cursor.tokens) == PROMPT[:-1]
+    assert draft.methods() == ["Prefill", "Propose", "Propose"]  # sent again from token 0: that opens it
+    assert draft.calls[2][1].cursor.start == 0 and list(draft.calls[2][1].cursor.tokens) == PROMPT
     assert remote.resyncs == 1 and in_sync(remote, draft)
     assert list(reply.draft_tokens) == [draft_rule(PROMPT), draft_rule(PROMPT + [draft_rule(PROMPT)])]
 
@@ -323,11 +327,11 @@ async def test_a_service_that_keeps_disagreeing_fails_the_call():
     target = FakeService()
     remote = session(target)
     await remote.prefill(PROMPT)
-    target.failures = {"Decode": [error(Code.NOT_FOUND)] * 10, "Prefill": [error(Code.NOT_FOUND)] * 10}
+    target.failures = {"Decode": [error(Code.NOT_FOUND)] * 10}
     with pytest.raises(ServiceFailed) as failed:
         await remote.decode(PROMPT, GREEDY)
     assert failed.value.code == Code.NOT_FOUND and failed.value.service == "target"
-    assert target.methods() == ["Prefill", "Decode"] + ["Prefill"] * RESYNC_ATTEMPTS  # a bounded number of tries
+    assert target.methods() == ["Prefill"] + ["Decode"] * (1 + RESYNC_ATTEMPTS)  # a bounded number of tries
 
 
 # -- faults: the required target retries, the optional draft does not ----------------------------
@@ -410,10 +414,13 @@ async def test_a_refusal_is_not_retried():
 async def test_timeouts_are_the_per_call_caps():
     draft, target = FakeService(draft_rule), FakeService()
     drafter, verifier = session(draft, required=False), session(target)
+    await drafter.prefill(PROMPT)
     proposal, _ = await drafter.propose(PROMPT, 2, GREEDY)
     await verifier.prefill(PROMPT)
     await verifier.verify(PROMPT, proposal.draft_tokens, proposal.q, GREEDY)
-    assert [timeout for method, _, timeout in draft.calls if method == "Propose"] == [POLICY.propose_timeout_s]
+    await drafter.propose(PROMPT + [7, 8, 9], 2, GREEDY)  # catching up on 3 tokens first: a prefill's cap
+    proposes = [timeout for method, _, timeout in draft.calls if method == "Propose"]
+    assert proposes == [POLICY.propose_timeout_s, POLICY.call_timeout_s]
     assert {timeout for _, _, timeout in target.calls} == {POLICY.call_timeout_s}
 
 
@@ -490,7 +497,7 @@ async def test_generation_is_exactly_the_target_for_every_k(k):
     assert stats.resyncs == 0 and len(stats.draft_lengths) == stats.steps
     if k:
         assert 0 < stats.accepted < stats.drafted and stats.steps < 30
-        assert "Prefill" in draft.methods()
+        assert draft.cursors("Propose")[0].start == 0  # the draft's first Propose opened its session
     if k == 0:
         assert draft.calls == []  # speculation off: the draft is never prefilled nor asked
     assert draft.sessions == {} and target.sessions == {}  # both released
@@ -498,14 +505,14 @@ async def test_generation_is_exactly_the_target_for_every_k(k):
 
 async def test_generation_fails_closed_when_the_draft_fails_and_resumes():
     draft, target = FakeService(draft_rule), FakeService(target_rule)
-    draft.failures = {"Prefill": [error(Code.UNAVAILABLE)], "Propose": [error(Code.UNAVAILABLE)]}
+    draft.failures = {"Propose": [error(Code.UNAVAILABLE)] * 2}
     gate = DraftGate(FaultPolicy(draft_backoff_s=(0.0, 0.0)))  # ask the draft again at the next step
     tokens, finished = await generate(draft, target, 3, gate=gate)
     assert tokens == target_only(30)
-    # The first step is target-only by design; the draft's first Propose opens its session with a
-    # Prefill, which fails (a target-only step), then the Propose fails (another), then speculation.
+    # The first step is target-only by design; the draft's first Propose (from token 0: it opens
+    # the session) fails (a target-only step), then the next one (another), then speculation.
     assert finished.stats.draft_lengths[:4] == [0, 0, 0, 3]
-    assert draft.methods()[:4] == ["Prefill", "Prefill", "Propose", "Propose"]
+    assert draft.methods()[:4] == ["Propose"] * 4
     assert finished.stats.resyncs == 0 and draft.sessions == {}
 
 
@@ -516,7 +523,7 @@ async def test_a_failed_draft_is_left_alone_for_the_gates_back_off():
     tokens, finished = await generate(draft, target, 3, gate=gate)
     assert tokens == target_only(30)
     assert finished.stats.drafted == 0 and finished.stats.steps == 30
-    assert draft.methods() == ["Prefill", "Propose", "Release"] and not gate.is_open()
+    assert draft.methods() == ["Propose", "Release"] and not gate.is_open()
 
 
 async def test_generation_survives_both_services_losing_the_session_mid_request():

@@ -169,7 +169,7 @@ async def test_wrong_fingerprint_is_refused_and_leaves_the_session_intact(tiny_s
 
 
 async def test_unknown_and_released_sessions_are_not_found(tiny_services):
-    await expect_status(grpc.StatusCode.NOT_FOUND, verify(tiny_services, "nobody", PROMPT, 0, [1]))
+    await expect_status(grpc.StatusCode.NOT_FOUND, verify(tiny_services, "nobody", PROMPT, 2, [1]))
     await prefill(tiny_services.draft, "gone", PROMPT)
     released = await tiny_services.draft.Release(common_pb2.ReleaseRequest(session_id="gone"))
     assert released.released
@@ -315,3 +315,25 @@ async def test_expired_deadline_is_deadline_exceeded(tiny_services):
         ),
     )
     assert error is not None
+
+
+async def test_a_call_from_token_0_opens_the_session_and_equals_prefill_then_the_call(tiny_services):
+    """No Prefill needed: a Decode or Propose whose cursor starts at 0 is the session's prefill, and
+    gives what a Prefill of all but the last token and the call from there give."""
+    reference = await target_greedy(tiny_services, PROMPT, 3, session="prefilled")
+    committed = list(PROMPT)
+    for step in range(3):
+        start = 0 if step == 0 else len(committed) - 1
+        request = target_pb2.DecodeRequest(cursor=cursor("opened-by-decode", committed, start))
+        reply = await tiny_services.target.Decode(request)
+        assert reply.cached_tokens == len(committed)
+        committed += list(reply.emitted_tokens)
+    assert committed[len(PROMPT) :] == reference
+    proposal = await tiny_services.draft.Propose(
+        draft_pb2.ProposeRequest(cursor=cursor("opened-by-propose", PROMPT, 0), num_draft_tokens=3)
+    )
+    assert proposal.cached_tokens == len(PROMPT) + 2 and len(proposal.draft_tokens) == 3
+    info = await tiny_services.target.Info(common_pb2.InfoRequest())
+    assert info.live_sessions >= 1
+    for stub, session in ((tiny_services.target, "opened-by-decode"), (tiny_services.draft, "opened-by-propose")):
+        assert (await stub.Release(common_pb2.ReleaseRequest(session_id=session))).released
