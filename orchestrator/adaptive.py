@@ -51,6 +51,7 @@ PROBE_MIN_STEPS = 4
 PROBE_MAX_STEPS = 32
 DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
 ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
+FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
 
 
@@ -122,16 +123,19 @@ class ServiceCosts:
     rtt_target: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
     alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))
     target_pass: PassTime = field(default_factory=PassTime)  # the target's batched passes
-    target_calls: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # calls per target pass: the load B
+    target_streams: int = 1  # the load B: streams at the target, as its last pass said
     draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
     draft_catchup: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # seconds per token the draft catches up on
+    draft_floor: float | None = None  # the cheapest guess lately: the draft with the cores to itself
 
     def record_target_pass(self, served: PassCost) -> None:
-        """B is the streams the target holds, not only those this pass carried: when speculating
-        streams drift apart (some at the draft) passes carry fewer calls than target-only would,
-        and pricing K against that smaller batch would favour speculation that broke the batch."""
+        """B is the streams at the target (the sessions it holds or has calls queued for), not only
+        those this pass carried: when speculating streams drift apart (some at the draft) passes
+        carry fewer calls than target-only would, and pricing K against that smaller batch would
+        favour speculation that broke the batch. The latest count, unsmoothed: when load arrives,
+        the streams starting now must already see it, or each would start by speculating."""
         self.target_pass.add(served.tokens, served.seconds)
-        self.target_calls.add(max(served.calls, served.sessions))
+        self.target_streams = max(served.calls, served.sessions)
 
     def record_verify(self, k: int, seconds: float, rtt: float) -> None:
         self.verify_by_k.setdefault(k, Ewma(TIME_WEIGHT)).add(seconds)
@@ -140,7 +144,10 @@ class ServiceCosts:
     def record_draft(self, k: int, seconds: float, rtt: float, served: PassCost | None = None) -> None:
         """A Propose of K: its time per guess; the pass's compute when the draft said it (under load
         the call also queued), else the call's."""
-        self.draft_per_token.add((served.seconds if served else seconds) / k)
+        per_guess = (served.seconds if served else seconds) / k
+        self.draft_per_token.add(per_guess)
+        floor = self.draft_floor
+        self.draft_floor = per_guess if floor is None else min(per_guess, floor * (1 + FLOOR_DRIFT))
         if served:
             self.draft_forward.add(served.calls, served.seconds / k)
         self.rtt_draft.add(rtt)
@@ -156,8 +163,8 @@ class ServiceCosts:
         return behind * (per_token or 0.0)
 
     def load(self) -> float:
-        """B: calls per target pass lately (1 before anything is known)."""
-        return max(1.0, self.target_calls.value or 1.0)
+        """B: the streams at the target, as it last said (1 before anything is known)."""
+        return float(max(1, self.target_streams))
 
     def draft_seconds(self, calls: float | None = None) -> float | None:
         """t_draft at `calls` rows per draft forward (default: the load), from the fit; else as measured."""
@@ -239,7 +246,7 @@ class AdaptiveK:
         if k:
             self.off_steps, self.probe_every = 0, PROBE_MIN_STEPS
             return k
-        if self.costs.target_pass.sloped and self._best(max_k, calls=1.0):
+        if self.costs.target_pass.sloped and self._best(max_k, calls=1.0, quiet=True):
             return 0  # off for the load alone: the passes' fit turns it back on as B falls, no probe needed
         self.off_steps += 1
         if self.off_steps < self.probe_every:
@@ -267,13 +274,16 @@ class AdaptiveK:
         margin: bool = False,
         min_k: int = 0,
         calls: float | None = None,
+        quiet: bool = False,
     ) -> int:
         """The best K at `calls` calls per pass (default: the load now); turning on costs the catch-up
-        on `behind` tokens, spread over tokens_left, and with `margin` must beat off by ON_MARGIN."""
+        on `behind` tokens, spread over tokens_left, and with `margin` must beat off by ON_MARGIN.
+        quiet: price the draft at its floor (a guess when it had the cores to itself: under load on
+        shared cores it is slower, and that is the load's doing, not the draft's)."""
         costs = self.costs
         return best_draft_length(
             self.alpha.value if costs.load() < SHARED_LOAD else costs.alpha.value,
-            costs.draft_seconds(calls),
+            (quiet and costs.draft_floor) or costs.draft_seconds(calls),
             lambda k: costs.verify_seconds(k, calls),
             costs.rtt_draft.value or 0.0,
             costs.rtt_target.value or 0.0,

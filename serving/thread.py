@@ -63,13 +63,21 @@ class ModelThread:
                 context.set_trailing_metadata(
                     ((PASS_CALLS_KEY, str(served.calls)), (PASS_TOKENS_KEY, str(served.tokens)),
                      (PASS_SECONDS_KEY, f"{served.seconds:.6f}"),
-                     (LIVE_SESSIONS_KEY, str(len(self.service.store.sessions))))
+                     (LIVE_SESSIONS_KEY, str(self.streams())))
                 )  # fmt: skip
             return result
         except EngineError as error:
             await abort_with(context, error)
         except Abandoned as abandoned:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(abandoned))
+
+    def streams(self) -> int:
+        """The sessions this service holds or has calls waiting for (a new stream's first call is
+        queued before its session exists): the load the orchestrator's K chooser prices."""
+        with self.scheduler.ready:
+            waiting = {job.session_id for job in self.scheduler.queue if job.session_id}
+        held = self.service.store.sessions  # the model thread changes it: only len() and `in` here
+        return len(held) + sum(session_id not in held for session_id in waiting)
 
     def shutdown(self) -> None:
         self.scheduler.close()

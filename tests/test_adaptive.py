@@ -233,3 +233,22 @@ def test_under_load_the_requests_of_a_worker_decide_alike():
     assert easy._best(8) != hard._best(8)  # alone (B = 1) each follows its own text
     cpu_like_load(costs, 4)
     assert costs.load() >= SHARED_LOAD and easy._best(8) == hard._best(8)
+
+
+def test_a_draft_slowed_by_the_load_does_not_make_the_off_switch_probe():
+    """On shared cores a draft guesses slower while the target is busy. That is the load's doing: off
+    for the load is judged with the draft at its floor (the cheapest guess lately), so no probes
+    (each would cost a catch-up beside the busy target), and speculation returns when the load goes."""
+    costs = measured_costs(0.03, {0: 0.2, 4: 0.24}, alpha=0.8)
+    chooser = AdaptiveK(costs, max_k=8)
+    cpu_like_load(costs, 1)
+    assert chooser.next_k(100) > 0 and costs.draft_floor == pytest.approx(0.03)
+    cpu_like_load(costs, 16)
+    for _ in range(5):  # one stream's guesses, ten times slower beside the busy target
+        costs.record_draft(1, 0.3, 0.0, PassCost(1, 1, 0.3))
+    assert costs.draft_seconds(1.0) > 0.1 and costs.draft_floor < 0.05
+    assert [chooser.next_k(100) for _ in range(3 * PROBE_MAX_STEPS)] == [0] * (3 * PROBE_MAX_STEPS)
+    cpu_like_load(costs, 1)
+    for _ in range(5):
+        costs.record_draft(4, 4 * 0.03, 0.0, PassCost(1, 5, 4 * 0.03))
+    assert chooser.next_k(100) > 0

@@ -289,3 +289,22 @@ def test_a_cancelled_call_neither_runs_nor_breaks_the_thread():
     with pytest.raises(RuntimeError, match="shut down"):
         waiting.result(1)
     assert passes == [[0], [2], [3]]
+
+
+def test_the_streams_a_service_reports_count_the_calls_still_waiting_for_a_first_pass():
+    """The K chooser's load B: a new stream's first call (its prefill) waits in the queue before its
+    session exists, and must count already, or every stream arriving at once would start speculating."""
+    from types import SimpleNamespace
+
+    from specd.serving.thread import ModelThread
+
+    thread, gate = ModelThread(), threading.Event()
+    thread.service = SimpleNamespace(store=SimpleNamespace(sessions={"held-1": None, "held-2": None}))
+    busy = thread.scheduler.submit(Job(lambda _: [gate.wait()]))  # holds the model thread
+    time.sleep(0.05)
+    for session_id in ("held-1", "new-1", "new-2", "new-2"):
+        thread.scheduler.submit(Job(lambda calls: calls, session_id, kind="decode", cost=1, session_id=session_id))
+    assert thread.streams() == 4  # two held, two more waiting for their first pass; one stream per session
+    gate.set()
+    busy.result(5)
+    thread.shutdown()
