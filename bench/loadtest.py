@@ -57,6 +57,7 @@ WARMUP_REQUESTS = 2  # per mode, before the measured runs
 WARMUP_TOKENS = 16
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 PROSE_PROMPTS = Path(__file__).resolve().parent / "prose.jsonl"  # LLMPerf-style: sonnet lines to stream on
+LONG_PROMPTS = Path(__file__).resolve().parent / "long.jsonl"  # ~1,000-token code prompts (Python stdlib, PSF)
 MODES = ("speculative", "off")  # compare mode's two runs per concurrency, in the order of its first pair
 
 # start(label, total) -> advance(): how a caller shows progress (None: no progress shown).

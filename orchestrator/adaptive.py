@@ -23,9 +23,11 @@ load), K shrinks and turns off, and turns back on when B falls.
 Turning speculation on has a price of its own: the draft first catches up on every token it has
 not seen (the prompt on a request's first speculative step; the tokens of the target-only steps
 since it was last asked). That catch-up is paid once and spread over the steps left:
-    seconds(K) += catch-up(tokens behind) · E[tokens](K) / tokens left        (K > 0, when off)
-and, from off, K > 0 must beat target-only by ON_MARGIN: on a CPU the two services share the
-cores, and a draft that catches up slows the other streams' passes by more than it costs its own.
+    seconds(K) += B · catch-up(tokens behind) · E[tokens](K) / tokens left        (K > 0, when off)
+and, from off, K > 0 must beat target-only by ON_MARGIN. Under load the catch-up is priced B times:
+where the two services share the cores (`specd up` on a CPU), a draft catching up takes cores from
+the target's passes, which all B streams wait for (measured: a few whole-context catch-ups at 8
+streams cost every stream 10 %).
 
 The load model assumes every stream drafts the same K, so that the passes stay full. Streams that
 disagree break them: a stream at the draft misses the pass the others decode in, and its verify
@@ -239,8 +241,8 @@ class AdaptiveK:
         max_k = min(self.max_k, tokens_left - 1)  # the target adds one token of its own
         if max_k < 1:
             return 0
-        if not self.costs.ready():
-            return self._explore(max_k)
+        if not self.costs.ready():  # a fresh worker measures, but not under load: there it waits for a quiet time
+            return self._explore(max_k) if self.costs.load() < SHARED_LOAD else 0
         k = self._best(max_k) if self.on else self._best(max_k, behind, tokens_left, margin=self.on is False)
         self.on = k > 0
         if k:
@@ -289,7 +291,7 @@ class AdaptiveK:
             costs.rtt_target.value or 0.0,
             max_k,
             min_k,
-            switch_on=costs.catchup_seconds(behind),
+            switch_on=costs.catchup_seconds(behind) * costs.load(),
             tokens_left=tokens_left,
             margin=ON_MARGIN if margin else 1.0,
         )

@@ -95,6 +95,10 @@ def test_a_fresh_worker_measures_a_decode_then_a_draft_before_choosing():
     costs.record_verify(4, 1.0, 0.0)
     costs.record_draft(4, 0.4, 0.0)
     assert costs.ready()
+    busy = ServiceCosts()
+    busy.record_verify(0, 1.0, 0.0)
+    busy.target_streams = 8
+    assert AdaptiveK(busy, max_k=8).next_k(100) == 0  # not under load: each stream's catch-up would stall the rest
 
 
 def off_and_probe_steps(chooser: AdaptiveK, steps: int) -> list[int]:
@@ -203,6 +207,10 @@ def test_turning_on_pays_the_drafts_catch_up_spread_over_the_tokens_left():
     chooser = AdaptiveK(costs, max_k=8)
     assert chooser.next_k(tokens_left=500, behind=100) > 0
     assert chooser.next_k(tokens_left=8, behind=1000) > 0  # on already: the draft is in step, nothing to pay
+    # With 8 streams at the target, a catch-up holds up all their passes on shared cores: priced 8 times.
+    assert AdaptiveK(costs, max_k=8).next_k(tokens_left=100, behind=500) > 0
+    costs.target_streams = 8
+    assert AdaptiveK(costs, max_k=8).next_k(tokens_left=100, behind=500) == 0
 
 
 def test_from_off_speculation_must_beat_target_only_by_a_margin():

@@ -201,6 +201,14 @@ def test_machine_info_names_the_cpu_and_its_bf16_support():
         assert machine["cpu_model"] in cpuinfo.read_text()
 
 
+def test_long_workload_is_a_thousand_tokens_of_code_each():
+    prompts = loadtest.load_prompts(loadtest.LONG_PROMPTS)
+    assert len(prompts) >= 8 and len(set(prompts)) == len(prompts)
+    for prompt in prompts:
+        assert prompt.startswith("# Python standard library module")
+        assert 2_000 <= len(prompt) <= 6_000  # about 1,000 Qwen tokens of Python (2-5 characters each)
+
+
 def test_prose_workload_is_llmperf_style_sonnet_lines():
     prompts = loadtest.load_prompts(loadtest.PROSE_PROMPTS)
     assert 18 <= len(prompts) <= 24
