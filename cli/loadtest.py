@@ -101,7 +101,7 @@ def add_parser(verbs) -> None:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
-    from specd.bench import loadtest
+    from specd.bench import loadtest, loadtest_report
 
     _check_compare(args, parser or argparse.ArgumentParser(prog="specd loadtest"))
     _check(args)
@@ -123,10 +123,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
                 warmup=args.warmup,
             )
         )
-    console.print(loadtest.summary_table(report))
+    console.print(loadtest_report.summary_table(report))
     if args.compare:
-        console.print(loadtest.comparison_table(report))
-    write_report(console, report, args.json, args.plot, loadtest.save_plot)
+        console.print(loadtest_report.comparison_table(report))
+    write_report(console, report, args.json, args.plot, loadtest_report.save_plot)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
 
 

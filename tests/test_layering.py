@@ -22,7 +22,7 @@ HEAVY = ("torch", "transformers", "torchao", "accelerate", "specd.model", "specd
 CLIENT_SIDE = r"""
 import importlib, json, pkgutil, sys
 packages = ["specd.v1", "specd.proto", "specd.orchestrator", "specd.deploy", "specd.cli"]
-modules = ["specd.bench.loadtest", "specd.bench.report"]
+modules = ["specd.bench.loadtest", "specd.bench.loadtest_report", "specd.bench.report"]
 for name in packages:
     package = importlib.import_module(name)
     modules += [info.name for info in pkgutil.walk_packages(package.__path__, name + ".")

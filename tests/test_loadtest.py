@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.bench import loadtest
+from specd.bench import loadtest, loadtest_report
 from specd.cli import loadtest as loadtest_cli
 from specd.v1 import specdecode_pb2
 
@@ -267,9 +267,9 @@ async def test_closed_loop_sweep_and_open_loop_run(tiny_stack, tmp_path):
     assert one["target_calls_per_pass"] == 1.0  # one stream: nothing to batch with
     assert 1.0 <= two["target_calls_per_pass"] <= 2.0 and 1.0 <= two["draft_calls_per_pass"] <= 2.0
     assert two["target_tokens_per_pass"] >= two["target_calls_per_pass"]  # a call adds >= 1 new token
-    loadtest.save_plot(report, tmp_path / "loadtest.png")
+    loadtest_report.save_plot(report, tmp_path / "loadtest.png")
     assert (tmp_path / "loadtest.png").read_bytes().startswith(PNG_SIGNATURE)
-    assert loadtest.summary_table(report).row_count == 3
+    assert loadtest_report.summary_table(report).row_count == 3
 
 
 async def test_speculation_off_reports_no_acceptance(tiny_stack):
@@ -307,11 +307,11 @@ async def test_compare_mode_measures_both_modes_per_concurrency(tiny_stack, tmp_
         assert entry["off"]["mean_draft_length"] is None
     assert report["settings"]["compare"] is True and report["settings"]["repeats"] == 2
     assert report["settings"]["machine"]["cpu_model"]
-    loadtest.save_plot(report, tmp_path / "compare.png")
+    loadtest_report.save_plot(report, tmp_path / "compare.png")
     png = (tmp_path / "compare.png").read_bytes()
     assert png.startswith(PNG_SIGNATURE) and len(png) > 10_000
-    assert loadtest.comparison_table(report).row_count == 2
-    assert loadtest.summary_table(report).row_count == 8
+    assert loadtest_report.comparison_table(report).row_count == 2
+    assert loadtest_report.summary_table(report).row_count == 8
 
 
 async def test_compare_mode_refuses_open_loop_and_speculation_off():
@@ -330,7 +330,7 @@ async def test_unreachable_server_counts_unavailable_instead_of_crashing(tmp_pat
         assert run["completed"] == 0 and run["output_tokens_per_s"] == 0.0
         assert run["ttft_s"]["p50"] is None
     assert report["settings"]["server_info"] is None
-    loadtest.save_plot(report, tmp_path / "empty.png")  # a report with no successes still plots
+    loadtest_report.save_plot(report, tmp_path / "empty.png")  # a report with no successes still plots
     assert (tmp_path / "empty.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
