@@ -7,10 +7,11 @@
   worker, then keeps every request off the draft for a back-off (0.5 s, doubling to 8 s) and
   lets the next step try again; once the draft answers, speculation resumes (its session is
   resynced by a Prefill when the draft lost it).
-- The target is required: an UNAVAILABLE target (restarting) or one that ran past its cap is
-  retried with back-off for up to `target_retry_s`, with resync and re-prefill when it comes
-  back; after that the request ends UNAVAILABLE. The output is never a wrong token: every
-  retried call names the committed prefix it starts from (docs/architecture.md §3).
+- The target is required: an UNAVAILABLE target (restarting), a call it cancelled (a server
+  stopping cancels its calls in flight) or one that ran past its cap is retried with back-off
+  for up to `target_retry_s`, with resync and re-prefill when it comes back; after that the
+  request ends UNAVAILABLE. The output is never a wrong token: every retried call names the
+  committed prefix it starts from (docs/architecture.md §3).
 """
 
 import time

@@ -212,8 +212,10 @@ class RemoteSession:
         return left is not None and left <= SPENT_S
 
     def _transient(self, error: grpc.aio.AioRpcError) -> bool:
-        """Unavailable (restarting, unreachable), or slower than the per-call cap while the request has time."""
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
+        """Unavailable (restarting, unreachable), cancelled by the service (a server stopping cancels
+        its calls in flight; this request's own cancellation never arrives as an error), or slower
+        than the per-call cap while the request has time."""
+        if error.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
             return True
         return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
 

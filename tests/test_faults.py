@@ -45,6 +45,7 @@ class Recorder(grpc.aio.ServerInterceptor):
     def __init__(self):
         self.delay = 0.0
         self.time_remaining: list[float | None] = []
+        self.cancel_next = False  # end the next call CANCELLED, as a stopping server may
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -57,6 +58,9 @@ class Recorder(grpc.aio.ServerInterceptor):
                 self.time_remaining.append(context.time_remaining())
             if self.delay:
                 await asyncio.sleep(self.delay)
+            if self.cancel_next and not details.method.endswith("/Release"):
+                self.cancel_next = False
+                await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
             return await behavior(request, context)
 
         return grpc.unary_unary_rpc_method_handler(slowed, handler.request_deserializer, handler.response_serializer)
@@ -296,6 +300,17 @@ async def test_target_restarted_mid_request_is_retried_and_the_output_stays_exac
     faults.recorder.delay = 0.0
     assert tokens == expected
     assert await faults.sessions_drain() == (0, 0)
+
+
+async def test_a_call_the_target_cancelled_is_retried_and_the_output_stays_exact(faults):
+    expected = await baseline(faults.client, 40)
+    tokens, injected = [], False
+    async for reply in faults.client.Generate(request(4, 40)):
+        tokens += reply.delta.token_ids
+        if len(tokens) > 10 and not injected:
+            injected = faults.recorder.cancel_next = True  # the target's next call ends CANCELLED
+    assert not faults.recorder.cancel_next, "a call was cancelled"
+    assert tokens == expected
 
 
 async def test_target_gone_ends_the_request_unavailable_within_the_retry_window(faults):

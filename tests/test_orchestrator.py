@@ -118,8 +118,9 @@ async def test_lost_sessions_mid_request_are_resynced_and_output_stays_exact(tin
             continue
         tokens += reply.delta.token_ids
         steps += 1
-        if steps == 2:  # the draft forgets every session (as after an eviction)
-            services.draft_server.thread.service.store.sessions.clear()
+        if steps == 2:  # the draft evicts every session, on its model thread (the store's one owner)
+            evict_all = lambda service: [*map(service.store.release, [*service.store.sessions])]  # noqa: E731
+            await services.draft_server.thread.run(evict_all)
         if steps == 4:  # the target process "restarts": a new server on the same port, empty caches
             await services.target_server.stop(0)
             from specd.model.transformers_engine import TransformersEngine
