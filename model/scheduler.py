@@ -41,7 +41,7 @@ class Pass:
     """One run of the model over a batch of calls: what the orchestrator's K chooser prices."""
 
     calls: int
-    tokens: int  # new tokens over all its calls
+    tokens: int  # positions it computed: every call as long as its longest (a padded pass, model/batch.py)
     seconds: float  # compute time, no queueing
 
 
@@ -154,7 +154,7 @@ class Scheduler:
             results = live[0].run([job.payload for job in live])
         except BaseException as error:  # a bug or out of memory: every call in the pass fails with it
             results = [error] * len(live)
-        served = Pass(len(live), sum(job.cost for job in live), time.perf_counter() - started)
+        served = Pass(len(live), len(live) * max(job.cost for job in live), time.perf_counter() - started)
         for job, result in zip(live, results):
             job.served_by = served
             if isinstance(result, BaseException):

@@ -12,10 +12,11 @@ over 0..max_k, from running estimates: α per request (starting from the worker'
 average), the costs per worker (shared by its requests, so they follow the load).
 
 Under load t_verify(K) is priced at the load: the services say, with every batched call, how
-many calls and new tokens the pass that served it carried, what it cost and how many sessions
-the service holds, and the worker fits a pass's seconds as a + b·tokens over recent passes. With
-B streams (the sessions held, at least the calls per pass), every stream drafting K puts
-B·(K + 1) tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
+many calls the pass that served it carried and how many positions it computed (each call padded
+to the longest: one verify among decodes makes them all K + 1 long), what it cost and how many
+sessions the service holds, and the worker fits a pass's seconds as a + b·tokens over recent
+passes. With B streams (the sessions held, at least the calls per pass), every stream drafting K
+puts B·(K + 1) tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
 is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
 rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
 load), K shrinks and turns off, and turns back on when B falls.
@@ -55,6 +56,7 @@ DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
 ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
 FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
+IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -83,7 +85,7 @@ class PassCost:
     """One batched pass of a service, as it reports it with each call it served."""
 
     calls: int
-    tokens: int  # new tokens over all its calls
+    tokens: int  # positions computed: its calls, each padded to the longest
     seconds: float  # compute, no queueing
     sessions: int = 0  # sessions the service held: the streams a pass could carry
 
@@ -145,14 +147,17 @@ class ServiceCosts:
 
     def record_draft(self, k: int, seconds: float, rtt: float, served: PassCost | None = None) -> None:
         """A Propose of K: its time per guess; the pass's compute when the draft said it (under load
-        the call also queued), else the call's."""
+        the call also queued), else the call's. A pass that also carried a longer row (another
+        stream's catch-up: every row computes as long as it) says nothing of a guess's time."""
+        self.rtt_draft.add(rtt)
+        if served and served.tokens > served.calls * (k + IN_STEP_CURSOR):
+            return
         per_guess = (served.seconds if served else seconds) / k
         self.draft_per_token.add(per_guess)
         floor = self.draft_floor
         self.draft_floor = per_guess if floor is None else min(per_guess, floor * (1 + FLOOR_DRIFT))
         if served:
             self.draft_forward.add(served.calls, served.seconds / k)
-        self.rtt_draft.add(rtt)
 
     def record_catchup(self, behind: int, seconds: float, k: int) -> None:
         """A Propose of K that first caught up on `behind` tokens: what it cost beyond K guesses, per token."""

@@ -14,9 +14,10 @@ HELD_FINGERPRINT_KEY = "specd-held-fingerprint"
 # Trailing-metadata key a service sets on every answered call: the seconds it spent on it
 # (the caller's round trip minus this is network and gRPC time).
 SERVICE_SECONDS_KEY = "specd-service-seconds"
-# Trailing-metadata keys a service sets on every call a batched pass served: how many calls and
-# new tokens that pass carried, and its compute seconds (no queueing). What the orchestrator's
-# K chooser prices a step at the current load with (orchestrator/adaptive.py).
+# Trailing-metadata keys a service sets on every call a batched pass served: how many calls that
+# pass carried, the positions it computed (every call as long as the longest: a verify of K beside
+# decodes makes them all K + 1 long) and its compute seconds (no queueing). What the
+# orchestrator's K chooser prices a step at the current load with (orchestrator/adaptive.py).
 PASS_CALLS_KEY = "specd-pass-calls"
 PASS_TOKENS_KEY = "specd-pass-tokens"
 PASS_SECONDS_KEY = "specd-pass-seconds"

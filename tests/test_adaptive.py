@@ -260,3 +260,14 @@ def test_a_draft_slowed_by_the_load_does_not_make_the_off_switch_probe():
     for _ in range(5):
         costs.record_draft(4, 4 * 0.03, 0.0, PassCost(1, 5, 4 * 0.03))
     assert chooser.next_k(100) > 0
+
+
+def test_a_draft_pass_that_carried_a_catch_up_is_not_a_guess_time():
+    """A Propose batched with another stream's catch-up pays for it: the padded pass computes every
+    row as long as the catch-up. Its time per guess would price the draft far too high."""
+    costs = measured_costs(0.03, {0: 0.2, 4: 0.24}, alpha=0.8)
+    before = costs.draft_per_token.value
+    costs.record_draft(4, 4 * 0.3, 0.0, PassCost(4, 4 * 26, 4 * 0.3))  # one row caught up on 22 tokens
+    assert costs.draft_per_token.value == before
+    costs.record_draft(4, 4 * 0.04, 0.0, PassCost(4, 4 * 6, 4 * 0.04))  # guesses only (cursors of 2)
+    assert costs.draft_per_token.value > before

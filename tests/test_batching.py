@@ -183,10 +183,14 @@ def test_a_long_call_runs_in_a_pass_of_its_own():
     time.sleep(0.05)
     verify = run_recording(passes)
     costs = {1: 1, 2: 100, 3: 6, 4: 33, 5: 1}
-    futures = [scheduler.submit(Job(verify, i, kind="verify", cost=c, session_id=f"s{i}")) for i, c in costs.items()]
+    jobs = [Job(verify, i, kind="verify", cost=c, session_id=f"s{i}") for i, c in costs.items()]
+    futures = [scheduler.submit(job) for job in jobs]
     gate.set()
     assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50] and blocker.result(5) == 0
     assert passes == [[0], [1, 3, 5], [2], [4]]
+    # A pass reports the positions it computed: three calls padded to the longest (6 tokens).
+    served = [(job.served_by.calls, job.served_by.tokens) for job in jobs]
+    assert served == [(3, 18), (1, 100), (3, 18), (1, 33), (3, 18)]
     scheduler.close()
 
 
