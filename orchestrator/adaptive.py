@@ -56,6 +56,7 @@ DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
 ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
 FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
+PROBE_SHARE = 0.1  # a probe's catch-up may cost at most this share of the off steps before it
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 
 
@@ -258,8 +259,18 @@ class AdaptiveK:
         self.off_steps += 1
         if self.off_steps < self.probe_every:
             return 0
-        self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
+        waited, self.off_steps, self.probe_every = self.off_steps, 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
+        if not self._probe_affordable(behind, waited):
+            return 0
         return self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
+
+    def _probe_affordable(self, behind: int, waited: int) -> bool:
+        """A probe first makes the draft catch up (B times over on shared cores): it may cost at most
+        PROBE_SHARE of the off steps it follows. After a 1,000-token prompt it never is, and the
+        off-switch turns back on only when the chooser itself says the catch-up pays."""
+        costs = self.costs
+        step = costs.verify_seconds(0) or 0.0
+        return costs.catchup_seconds(behind) * costs.load() <= PROBE_SHARE * waited * step
 
     def observe(self, k: int, accepted: int) -> None:
         """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""
