@@ -43,6 +43,7 @@ and the costs, so one bad stretch never switches speculation off for good.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 ALPHA_PRIOR = 0.7  # before anything is measured: a typical code/chat pair
@@ -132,6 +133,7 @@ class ServiceCosts:
     draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
     draft_catchup: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # seconds per token the draft catches up on
     draft_floor: float | None = None  # the cheapest guess lately: the draft with the cores to itself
+    explorer: weakref.ref | None = None  # the request taking a fresh worker's first measurements under load
 
     def record_target_pass(self, served: PassCost) -> None:
         """B is the streams at the target (the sessions it holds or has calls queued for), not only
@@ -249,8 +251,8 @@ class AdaptiveK:
         max_k = min(self.max_k, tokens_left - 1)  # the target adds one token of its own
         if max_k < 1:
             return 0
-        if not self.costs.ready():  # a fresh worker measures, but not under load: there it waits for a quiet time
-            return self._explore(max_k) if self.costs.load() < SHARED_LOAD else 0
+        if not self.costs.ready():  # a fresh worker measures; under load one request at a time does
+            return self._explore(max_k) if self._may_explore() else 0
         k = self._best(max_k) if self.on else self._best(max_k, behind, tokens_left, margin=self.on is False)
         self.on = k > 0
         if k:
@@ -279,6 +281,18 @@ class AdaptiveK:
         for outcome in [1.0] * accepted + [0.0] * (accepted < k):
             self.alpha.add(outcome)
             self.costs.alpha.add(outcome)
+
+    def _may_explore(self) -> bool:
+        """Quiet, or under load this request is the worker's one explorer (the first to ask while no
+        other live request is): each exploring stream makes the draft catch up beside the busy target,
+        but a worker that never explored would stay off for as long as the load lasts."""
+        costs = self.costs
+        if costs.load() < SHARED_LOAD:
+            return True
+        explorer = costs.explorer() if costs.explorer else None
+        if explorer is None:
+            costs.explorer = weakref.ref(self)  # dies with its request: then another may explore
+        return explorer in (None, self)
 
     def _explore(self, max_k: int) -> int:
         """A fresh worker measures a decode, then a speculative step, before it compares them."""
