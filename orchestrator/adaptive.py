@@ -38,7 +38,8 @@ every request prices K at the worker's α, not its own, and the streams of a wor
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
-and the costs, so one bad stretch never switches speculation off for good.
+and the costs, so one bad stretch never switches speculation off for good; a probe whose catch-up
+would cost more than PROBE_SHARE of the off steps before it is skipped (after a long prompt).
 """
 
 from __future__ import annotations
