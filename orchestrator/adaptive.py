@@ -164,10 +164,8 @@ class ServiceCosts:
             self.draft_forward.add(served.calls, served.seconds / k)
 
     def record_catchup(self, behind: int, seconds: float, k: int) -> None:
-        """A Propose of K that first caught up on `behind` tokens: what it cost beyond K guesses at
-        their cheapest (the floor: under load the fit may price a guess so high that nothing seems
-        left for the catch-up, and catch-ups would look free), per token."""
-        guesses = k * (self.draft_floor or self.draft_seconds() or 0.0)
+        """A Propose of K that first caught up on `behind` tokens: what it cost beyond K guesses, per token."""
+        guesses = k * (self.draft_seconds() or 0.0)
         self.draft_catchup.add(max(0.0, seconds - guesses) / behind)
 
     def catchup_seconds(self, behind: int) -> float:

@@ -292,15 +292,3 @@ def test_a_probe_that_would_catch_up_on_a_long_context_is_skipped():
         chooser.observe(4, 0)
     assert any(chooser.next_k(100, behind=20) for _ in range(PROBE_MIN_STEPS))  # 0.2 s of catch-up: probed
     assert not any(chooser.next_k(100, behind=1000) for _ in range(4 * PROBE_MAX_STEPS))  # 10 s: never
-
-
-def test_a_catch_up_measured_under_load_is_priced_in_full():
-    """Under load the draft's fit prices a guess high; the catch-up is what the call cost beyond its
-    guesses at their cheapest, so a costly catch-up never reads as cheap (or free)."""
-    costs = measured_costs(0.05, {0: 1.0, 8: 1.0}, alpha=0.8)
-    for calls in (1, 4):  # the fit: 0.05 s a guess alone, 0.2 s at 4 rows
-        costs.record_draft(4, 4 * 0.05 * calls, 0.0, PassCost(calls, 5 * calls, 4 * 0.05 * calls))
-    costs.target_streams = 4
-    assert costs.draft_seconds() == pytest.approx(0.2) and costs.draft_floor == pytest.approx(0.05, rel=0.05)
-    costs.record_catchup(behind=150, seconds=4 * 0.05 + 1.5, k=4)  # 10 ms a token beyond the guesses
-    assert costs.catchup_seconds(150) == pytest.approx(1.5, rel=0.01)
