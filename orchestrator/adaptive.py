@@ -38,8 +38,8 @@ every request prices K at the worker's α, not its own, and the streams of a wor
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
-and the costs, so one bad stretch never switches speculation off for good; a probe whose catch-up
-would cost more than PROBE_SHARE of the off steps before it is skipped (after a long prompt).
+and the costs, so one bad stretch never switches speculation off for good; a probe that would first catch the
+draft up on more than PROBE_MAX_BEHIND tokens is skipped (after a long prompt).
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ DEFAULT_MAX_DRAFT_TOKENS = 8  # the bound of an adaptive K (--max-draft-tokens)
 ON_MARGIN = 1.1  # from off, speculation must promise this much more than target-only to turn on
 FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
-PROBE_SHARE = 0.1  # a probe's catch-up may cost at most this share of the off steps before it
+PROBE_MAX_BEHIND = 64  # a probe that would first catch the draft up on more tokens is skipped
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 
 
@@ -262,18 +262,17 @@ class AdaptiveK:
         self.off_steps += 1
         if self.off_steps < self.probe_every:
             return 0
-        waited, self.off_steps, self.probe_every = self.off_steps, 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
-        if not self._probe_affordable(behind, waited):
+        self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
+        if not self._probe_affordable(behind):
             return 0
         return self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
 
-    def _probe_affordable(self, behind: int, waited: int) -> bool:
-        """A probe first makes the draft catch up (B times over on shared cores): it may cost at most
-        PROBE_SHARE of the off steps it follows. After a 1,000-token prompt it never is, and the
-        off-switch turns back on only when the chooser itself says the catch-up pays."""
-        costs = self.costs
-        step = costs.verify_seconds(0) or 0.0
-        return costs.catchup_seconds(behind) * costs.load() <= PROBE_SHARE * waited * step
+    def _probe_affordable(self, behind: int) -> bool:
+        """A probe first makes the draft catch up (B times over on shared cores). Past PROBE_MAX_BEHIND
+        tokens (after a long prompt, or a long stretch off) that is a prefill beside the busy target:
+        no probe, and the off-switch turns back on only when the chooser itself says the catch-up
+        pays. Counted in tokens, not seconds: a catch-up's measured time is noisy for small models."""
+        return behind <= PROBE_MAX_BEHIND
 
     def observe(self, k: int, accepted: int) -> None:
         """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""
