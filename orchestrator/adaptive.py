@@ -38,8 +38,10 @@ every request prices K at the worker's α, not its own, and the streams of a wor
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
-and the costs, so one bad stretch never switches speculation off for good; a probe that would first catch the
-draft up on more than PROBE_MAX_BEHIND tokens is skipped (after a long prompt).
+and the costs, so one bad stretch never switches speculation off for good. A probe that would
+first catch the draft up on more than PROBE_MAX_BEHIND tokens (after a long prompt) is skipped:
+counted in tokens, since a catch-up's measured seconds are noise on small models; speculation
+then returns only when the chooser itself says the catch-up pays.
 """
 
 from __future__ import annotations
@@ -263,16 +265,9 @@ class AdaptiveK:
         if self.off_steps < self.probe_every:
             return 0
         self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
-        if not self._probe_affordable(behind):
+        if behind > PROBE_MAX_BEHIND:  # the probe's catch-up would be a prefill beside the busy target
             return 0
         return self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
-
-    def _probe_affordable(self, behind: int) -> bool:
-        """A probe first makes the draft catch up (B times over on shared cores). Past PROBE_MAX_BEHIND
-        tokens (after a long prompt, or a long stretch off) that is a prefill beside the busy target:
-        no probe, and the off-switch turns back on only when the chooser itself says the catch-up
-        pays. Counted in tokens, not seconds: a catch-up's measured time is noisy for small models."""
-        return behind <= PROBE_MAX_BEHIND
 
     def observe(self, k: int, accepted: int) -> None:
         """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""

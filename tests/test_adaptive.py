@@ -290,5 +290,5 @@ def test_a_probe_that_would_catch_up_on_a_long_context_is_skipped():
     chooser.next_k(100)
     for _ in range(12):  # acceptance collapses: off, with probes
         chooser.observe(4, 0)
-    assert any(chooser.next_k(100, behind=20) for _ in range(PROBE_MIN_STEPS))  # 0.2 s of catch-up: probed
-    assert not any(chooser.next_k(100, behind=1000) for _ in range(4 * PROBE_MAX_STEPS))  # 10 s: never
+    assert any(chooser.next_k(100, behind=20) for _ in range(PROBE_MIN_STEPS))  # a short catch-up: probed
+    assert not any(chooser.next_k(100, behind=1000) for _ in range(4 * PROBE_MAX_STEPS))  # a prefill's: never
