@@ -259,7 +259,11 @@ class AdaptiveK:
         if k:
             self.off_steps, self.probe_every = 0, PROBE_MIN_STEPS
             return k
-        if self.costs.target_pass.sloped and self._best(max_k, calls=1.0, quiet=True):
+        if (
+            self.costs.load() >= SHARED_LOAD
+            and self.costs.target_pass.sloped
+            and self._best(max_k, calls=1.0, quiet=True)
+        ):
             return 0  # off for the load alone: the passes' fit turns it back on as B falls, no probe needed
         self.off_steps += 1
         if self.off_steps < self.probe_every:

@@ -292,3 +292,17 @@ def test_a_probe_that_would_catch_up_on_a_long_context_is_skipped():
         chooser.observe(4, 0)
     assert any(chooser.next_k(100, behind=20) for _ in range(PROBE_MIN_STEPS))  # a short catch-up: probed
     assert not any(chooser.next_k(100, behind=1000) for _ in range(4 * PROBE_MAX_STEPS))  # a prefill's: never
+
+
+def test_a_stream_alone_that_the_margin_keeps_off_still_probes():
+    """Off for the load alone skips probes only under a load: alone (B = 1) there is no load to fall,
+    and a stream that ON_MARGIN keeps off at a small gain must still probe, or it stays off for good
+    on a measurement it never renews (CI: a quiet request drafted nothing in 16 tokens)."""
+    costs = measured_costs(0.03, {0: 0.21, 1: 0.23}, alpha=0.3)
+    cpu_like_load(costs, 1)  # a pass fit (sloped) at one stream: decode 0.21 s, K = 1 0.23 s, a guess 0.03 s
+    chooser = AdaptiveK(costs, max_k=8)
+    chooser.alpha = Ewma(0.0, 0.1)
+    assert chooser.next_k(100) == 0 and chooser.on is False  # acceptance too low: off
+    chooser.alpha = Ewma(0.0, 0.3)  # now K = 1 gains 1.05x: under the margin, so it stays off...
+    assert chooser._best(8) == 1 and chooser.next_k(100) == 0
+    assert any(chooser.next_k(100) for _ in range(PROBE_MIN_STEPS))  # ...but probes, as off always does
