@@ -11,7 +11,9 @@ request does (the same checks and limits, the same WorkerPool), so greedy output
 greedy output over gRPC.
 
 Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, ...) answer
-400 naming the field, as do fields OpenAI does not define; null means "not set". Extensions:
+400 naming the field, as do fields OpenAI does not define; null means "not set". So do a lone
+surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
+and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
 `top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "trace": true}` (K = 0
 turns speculation off; trace adds each step's draft and verify seconds). Every response (the last
 chunk, when streaming) carries the request's speculation stats in `"specd"`, named as the gRPC
@@ -42,15 +44,17 @@ from specd.orchestrator.openai_request import (
     COMPLETION_FIELDS,
     UNSUPPORTED,
     ApiError,
+    chat_message,
     compile_chat_template,
     extension,
     is_int,
     sampling_params,
+    shown,
     stop_strings,
     streaming,
-    text_content,
     token_text,
     typed_field,
+    valid_unicode,
 )
 from specd.orchestrator.worker import Failed
 from specd.v1 import specdecode_pb2
@@ -101,19 +105,21 @@ class OpenAiApi:
     def parse(self, body, chat: bool) -> Call:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
+        valid_unicode(body)
         body = {name: value for name, value in body.items() if value is not None}  # null = not set
         allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
         for name, value in body.items():
             if name in UNSUPPORTED:
                 defaults, reason = UNSUPPORTED[name]
                 if value not in defaults:
-                    raise ApiError(400, f"`{name}` = {json.dumps(value)} is not supported: {reason}", name)
+                    raise ApiError(400, f"`{name}` = {shown(value)} is not supported: {reason}", name)
             elif name not in allowed:
                 endpoint = "/v1/chat/completions" if chat else "/v1/completions"
                 raise ApiError(
                     400, f"unknown field `{name}` for {endpoint}; specd takes {', '.join(sorted(allowed))}", name
                 )
-        model = body.get("model", self.model_name)
+        typed_field(body, "user", str, "")
+        model = typed_field(body, "model", str, self.model_name)
         if model != self.model_name:
             raise ApiError(
                 404,
@@ -129,7 +135,7 @@ class OpenAiApi:
         message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
         message.sampling.CopyFrom(sampling_params(body))
         message.stop.extend(stop_strings(body))
-        k, trace = extension(body)
+        k, trace = extension(body, self.core.services_max_k)
         if k is not None:
             message.draft_tokens = k
         return Call(chat, message, *streaming(body), trace=trace)
@@ -141,6 +147,11 @@ class OpenAiApi:
         if isinstance(prompt, str):
             message.prompt = prompt  # tokenized by the core, as a gRPC prompt is
         elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
+            vocab_size = self.core.pair.target_info.vocab_size
+            if max(prompt) >= vocab_size:  # also what a uint32 cannot carry
+                raise ApiError(
+                    400, f"prompt token id {shown(max(prompt))} is outside the vocabulary of {vocab_size}", "prompt"
+                )
             message.prompt_token_ids.extend(prompt)
         elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
             raise ApiError(
@@ -155,16 +166,7 @@ class OpenAiApi:
         """Render the messages with the target's chat template, then tokenize (special tokens included)."""
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "`messages` must be a non-empty list of {role, content} objects", "messages")
-        plain = []
-        for index, entry in enumerate(messages):
-            if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
-                raise ApiError(400, f"messages[{index}] must be an object with a `role`", f"messages[{index}]")
-            for name in entry:
-                if name not in ("role", "content", "name"):
-                    raise ApiError(
-                        400, f"messages[{index}].{name} is not supported (no tool calls)", f"messages[{index}].{name}"
-                    )
-            plain.append({"role": entry["role"], "content": text_content(entry.get("content", ""), index)})
+        plain = [chat_message(entry, index) for index, entry in enumerate(messages)]
         if self.chat_template is None:
             raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
         try:
@@ -176,13 +178,23 @@ class OpenAiApi:
         return self.core.tokenizer.encode(text, add_special_tokens=False).ids
 
     def max_tokens(self, body: dict, chat: bool, prompt_tokens: int) -> int:
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        if name not in body:  # OpenAI: 16 for completions; for chat, as many as fit
+        """`max_completion_tokens`, else `max_tokens` (both checked), else OpenAI's default: 16 for
+        completions; for chat, as many as fit."""
+        given = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
+        for name in given:
+            value = body[name]
+            if not is_int(value) or value < 1:
+                raise ApiError(400, f"`{name}` must be an integer >= 1, got {shown(value)}", name)
+            if value > self.core.room:  # also what a uint32 cannot carry
+                raise ApiError(
+                    400,
+                    f"`{name}` = {shown(value)} exceeds the {self.core.room} tokens a session may hold "
+                    "(prompt and output); ask for fewer tokens",
+                    name,
+                )
+        if not given:
             return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.core.room - prompt_tokens)
-        value = body[name]
-        if not is_int(value) or value < 1:
-            raise ApiError(400, f"`{name}` must be an integer >= 1, got {json.dumps(value)}", name)
-        return value
+        return body[given[0]]
 
     # -- answering -------------------------------------------------------------------------
 
@@ -300,7 +312,7 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
         try:
             try:
                 body = await request.json()
-            except ValueError as error:
+            except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
                 raise ApiError(400, f"the request body is not valid JSON: {error}") from None
             call = api.parse(body, chat)
         except ApiError as error:

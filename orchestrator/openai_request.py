@@ -28,6 +28,13 @@ COMMON_FIELDS = {
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
 
+# OpenAI's chat roles, less those of tool calling (`tool`, `function`), which specd does not do.
+ROLES = ("system", "user", "assistant", "developer")
+UINT32 = 2**32  # top_k travels as a uint32 (common.proto)
+FLOAT32_MAX = 3.4028234663852886e38  # temperature and top_p travel as float32
+FLOAT32_TINY = 1.5e-45  # rounds to float32's smallest positive value, not to 0
+KINDS = {str: "a string", bool: "true or false", dict: "an object"}  # as typed_field's message says them
+
 # OpenAI fields specd does not implement: accepted only at their default value.
 UNSUPPORTED = {
     "n": ((1,), "specd returns one choice per request; send n requests instead"),
@@ -51,6 +58,7 @@ class ApiError(Exception):
     """An OpenAI-style error: HTTP status, message, the offending field."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        message, param = _printable(message), param and _printable(param)  # JSON answers are UTF-8
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
 
@@ -80,6 +88,55 @@ def compile_chat_template(source: str | None):
     return environment.from_string(source)
 
 
+def valid_unicode(body) -> None:
+    """Refuse a lone surrogate in any string of the body, value or field name: JSON's "\\ud800" (or a
+    UTF-16 body) parses into one, but it is no character, and no UTF-8 carries it to the tokenizer.
+    (gRPC cannot carry one either: proto strings are UTF-8, and the servers refuse what is not.)"""
+    pending = [(body, None)]  # (value, its path: (the parent's path, its name or index)); no recursion
+    while pending:  # in document order: the first bad string is the one named
+        value, path = pending.pop()
+        if isinstance(value, dict):
+            for name in value:
+                _no_surrogate(name, (path, name), "the field name ")
+            pending.extend((item, (path, name)) for name, item in reversed(value.items()))
+        elif isinstance(value, list):
+            pending.extend((value[index], (path, index)) for index in reversed(range(len(value))))
+        elif isinstance(value, str):
+            _no_surrogate(value, path)
+
+
+def _no_surrogate(text: str, path, what: str = "") -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        steps = []
+        while path is not None:
+            path, step = path
+            steps.append(f"[{step}]" if isinstance(step, int) else f".{step}")
+        where = "".join(reversed(steps)).lstrip(".")
+        message = f"{what}`{where}` is not valid Unicode: it holds a lone surrogate at index {error.start}"
+        raise ApiError(400, message, where) from None
+
+
+def chat_message(entry, index: int) -> dict:
+    """One of `messages` as the chat template takes it: a known role and text content."""
+    where = f"messages[{index}]"
+    if not isinstance(entry, dict) or not isinstance(entry.get("role"), str):
+        raise ApiError(400, f"{where} must be an object with a `role`", where)
+    for name in entry:
+        if name not in ("role", "content", "name"):
+            raise ApiError(400, f"{where}.{name} is not supported (no tool calls)", f"{where}.{name}")
+    role = entry["role"]
+    if role not in ROLES:
+        why = "is not supported (no tool calls)" if role in ("tool", "function") else "is not a chat role"
+        raise ApiError(400, f"`{where}.role` = {shown(role)} {why}: use {', '.join(ROLES)}", f"{where}.role")
+    if not isinstance(entry.get("name", ""), str | None):
+        raise ApiError(400, f"`{where}.name` must be a string, got {shown(entry['name'])}", f"{where}.name")
+    # OpenAI reads `developer` as `system` on models older than the role; open models' templates
+    # (Qwen2.5's) know no `developer` and would drop the message without a word.
+    return {"role": "system" if role == "developer" else role, "content": text_content(entry.get("content", ""), index)}
+
+
 def stop_strings(body: dict) -> list[str]:
     stop = body.get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -88,8 +145,9 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
-def extension(body: dict) -> tuple[int | None, bool]:
-    """`"specd": {"draft_tokens": K, "trace": bool}` -> (K or None for the server's default, trace)."""
+def extension(body: dict, max_k: int) -> tuple[int | None, bool]:
+    """`"specd": {"draft_tokens": K, "trace": bool}` -> (K or None for the server's default, trace);
+    `max_k`: the largest K the services take."""
     extension = typed_field(body, "specd", dict, {})
     for name in extension:
         if name not in ("draft_tokens", "trace"):
@@ -100,10 +158,17 @@ def extension(body: dict) -> tuple[int | None, bool]:
             )
     k = extension.get("draft_tokens")
     if k is not None and (not is_int(k) or k < 0):
-        raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {json.dumps(k)}", "specd.draft_tokens")
+        raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {shown(k)}", "specd.draft_tokens")
+    if k is not None and k > max_k:
+        raise ApiError(
+            400,
+            f"`specd.draft_tokens` K={shown(k)} is above the largest the services accept ({max_k}); "
+            "0 turns speculation off",
+            "specd.draft_tokens",
+        )
     trace = extension.get("trace", False)
     if not isinstance(trace, bool):
-        raise ApiError(400, f"`specd.trace` must be true or false, got {json.dumps(trace)}", "specd.trace")
+        raise ApiError(400, f"`specd.trace` must be true or false, got {shown(trace)}", "specd.trace")
     return k, trace
 
 
@@ -115,7 +180,12 @@ def streaming(body: dict) -> tuple[bool, bool]:
         raise ApiError(400, "`stream_options` needs `stream: true`", "stream_options")
     if set(options) - {"include_usage"}:
         raise ApiError(400, "`stream_options` takes only `include_usage`", "stream_options")
-    return stream, bool(options.get("include_usage", False))
+    include_usage = options.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise ApiError(
+            400, f"`stream_options.include_usage` must be true or false, got {shown(include_usage)}", "stream_options"
+        )
+    return stream, include_usage
 
 
 def text_content(content, index: int) -> str:
@@ -144,27 +214,42 @@ def sampling_params(body: dict) -> common_pb2.SamplingParams:
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise ApiError(400, f"`top_p` must be in (0, 1], got {top_p}", "top_p")
+    top_p = max(top_p, FLOAT32_TINY)  # not 0 as a float32, which means 1 (off)
     top_k = body.get("top_k", 0)
-    if not is_int(top_k) or top_k < -1:
-        raise ApiError(400, f"`top_k` must be an integer >= 0 (0 or -1: off), got {json.dumps(top_k)}", "top_k")
+    if not is_int(top_k) or not -1 <= top_k < UINT32:
+        raise ApiError(400, f"`top_k` must be an integer in [-1, 2^32) (0 or -1: off), got {shown(top_k)}", "top_k")
     seed = body.get("seed", 0)
     if not is_int(seed) or not 0 <= seed < 2**64:
-        raise ApiError(400, f"`seed` must be an integer in [0, 2^64), got {json.dumps(seed)}", "seed")
+        raise ApiError(400, f"`seed` must be an integer in [0, 2^64), got {shown(seed)}", "seed")
     return common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed)
 
 
 def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value or abs(value) == float("inf"):
-        raise ApiError(400, f"`{name}` must be a finite number, got {json.dumps(value)}", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not abs(value) <= FLOAT32_MAX:
+        raise ApiError(400, f"`{name}` must be a finite number (a float32), got {shown(value)}", name)
     return float(value)
 
 
 def typed_field(body: dict, name: str, kind: type, default):
     value = body.get(name, default)
     if not isinstance(value, kind):
-        raise ApiError(400, f"`{name}` must be a {kind.__name__}, got {json.dumps(value)}", name)
+        raise ApiError(400, f"`{name}` must be {KINDS[kind]}, got {shown(value)}", name)
     return value
+
+
+def shown(value) -> str:
+    """A value as JSON for an error message, cut to 80 characters."""
+    try:
+        text = json.dumps(value)
+    except (RecursionError, ValueError):
+        text = "(a value nested too deeply to show)"
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
+def _printable(text: str) -> str:
+    """`text` with any lone surrogate spelled out (\\ud800): UTF-8 cannot encode one."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def is_int(value) -> bool:

@@ -47,6 +47,9 @@ def length_delimited(field: int, payload: bytes) -> bytes:
 
 
 NOT_UTF8 = b"\xff\xfe"
+# U+D800 as UTF-8 would spell it: a lone surrogate, which the HTTP API refuses too. A proto string
+# is UTF-8, so gRPC cannot carry one (Python's protobuf will not even set it: UnicodeEncodeError).
+LONE_SURROGATE = b"\xed\xa0\x80"
 
 
 @dataclass
@@ -85,6 +88,9 @@ CASES = [
          Code.INVALID_ARGUMENT, "outside the vocabulary"),
     Case("stop string not UTF-8", "orchestrator", "Generate",
          G(prompt="hi", max_new_tokens=4).SerializeToString() + length_delimited(5, NOT_UTF8),
+         Code.INVALID_ARGUMENT, "UTF-8"),
+    Case("prompt holding a lone surrogate", "orchestrator", "Generate",
+         G(max_new_tokens=4).SerializeToString() + length_delimited(1, LONE_SURROGATE),
          Code.INVALID_ARGUMENT, "UTF-8"),
     Case("garbage bytes", "orchestrator", "Generate", b"\x0a\xff\xff\xff",
          Code.INVALID_ARGUMENT, "not a valid message for /specd.v1.SpecDecode/Generate"),

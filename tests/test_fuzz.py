@@ -1,15 +1,25 @@
-"""Property-based fuzzing of the service messages (hypothesis, 1,000 cases per service).
+"""Property-based fuzzing of the service messages (hypothesis, 1,000 cases per service) and of
+the OpenAI-compatible HTTP API's bodies (60 per endpoint).
 
-Each case is one to three calls, well-formed or not: cursors that are right or wrong about what a
-session holds, ids inside and outside the vocabulary, any float32 sampling setting, q rows of
-any shape, raw bytes. Whatever comes in: no INTERNAL or UNKNOWN, the server keeps serving,
+Each service case is one to three calls, well-formed or not: cursors that are right or wrong about
+what a session holds, ids inside and outside the vocabulary, any float32 sampling setting, q rows
+of any shape, raw bytes. Whatever comes in: no INTERNAL or UNKNOWN, the server keeps serving,
 and the live sessions are exactly those a successful Prefill opened and no Release closed.
+
+Each HTTP case is one body: an object whose fields are mostly well-formed (so many generate) and
+some anything at all (nested nulls, huge numbers, lone surrogates), or any JSON value, or bytes.
+Whatever comes in: no 5xx, an OpenAI-style error or a whole answer, and no session left behind.
 """
+
+import json
 
 import grpc
 import numpy as np
+import pytest
+import test_openai_api
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
+from test_openai_api import http, sessions_released
 
 from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2
@@ -218,3 +228,113 @@ def fuzz_service(role: str, session_methods: list[str]):
 
 test_fuzz_draft_service = fuzz_service("draft", ["Propose"])
 test_fuzz_target_service = fuzz_service("target", ["Verify", "Decode"])
+
+
+# -- the OpenAI-compatible HTTP API -----------------------------------------------------------------
+
+tiny_http = test_openai_api.tiny_http  # its fixture: the tiny stack's orchestrator, serving HTTP too
+HTTP_FUZZ = settings(
+    max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+)
+SURROGATES = st.sampled_from(["\ud800", "ab\udfff", "\udc00\U0001f600"])  # valid JSON, no Unicode
+ANY = st.recursive(  # any JSON value, NaN and infinities included (Python's json takes them)
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.integers(2**32 - 2, 2**70)
+    | st.floats()
+    | st.text(max_size=8)
+    | SURROGATES,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6) | SURROGATES, inner, max_size=3),
+    max_leaves=8,
+)
+# A bad token count: never null or a valid count above 3, either a long generation (chat's default
+# is all that fits).
+BAD_COUNT = (
+    st.integers(max_value=0)
+    | st.integers(5000, 2**70)
+    | st.floats()
+    | st.booleans()
+    | st.text(max_size=4)
+    | SURROGATES
+    | st.lists(ANY, max_size=2)
+    | st.dictionaries(st.text(max_size=3), ANY, max_size=2)
+)
+TOKEN_IDS = st.lists(st.integers(0, 2000), min_size=1, max_size=6)
+CONTENT = st.text(max_size=12) | st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": st.text(max_size=6)}))
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer"]), "content": CONTENT},
+    optional={"name": st.text(max_size=4)},
+)
+BAD_MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["tool", "wizard", "User"]) | ANY, "content": CONTENT | ANY}, optional={"name": ANY}
+)
+WELL_FORMED = {
+    "max_tokens": st.integers(1, 3),
+    "prompt": st.text(min_size=1, max_size=12)
+    | TOKEN_IDS
+    | st.lists(TOKEN_IDS | st.text(min_size=1), min_size=1, max_size=2),
+    "messages": st.lists(st.one_of(*[MESSAGE] * 6, BAD_MESSAGE), min_size=1, max_size=3),  # one in 7 bad
+    "max_completion_tokens": st.integers(1, 3),
+    "temperature": st.floats(0, 2),
+    "top_p": st.floats(0, 1, exclude_min=True),
+    "top_k": st.integers(-1, 50),
+    "seed": st.integers(0, 2**64 - 1),
+    "stop": st.text(min_size=1, max_size=3) | st.lists(st.text(min_size=1, max_size=3), max_size=3),
+    "stream": st.booleans(),
+    "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
+    "ignore_eos": st.booleans(),
+    "user": st.text(max_size=5),
+    "n": st.just(1),
+    "logprobs": st.sampled_from([0, False]),
+    "specd": st.fixed_dictionaries({}, optional={"draft_tokens": st.integers(0, 8), "trace": st.booleans()}),
+    "guided_json": ANY,  # not an OpenAI field: always refused
+}
+
+
+def json_body(data, chat: bool, model: str) -> dict:
+    """`model`, `max_tokens`, the prompt or messages and up to four other fields, each well-formed
+    four times in five, else bad: any JSON value (for a token count, BAD_COUNT)."""
+    prompt = "messages" if chat else "prompt"
+    others = [name for name in WELL_FORMED if name not in ("max_tokens", "prompt", "messages")]
+    others = [name for name in others if chat or name != "max_completion_tokens"]
+    names = ["model", "max_tokens", prompt, *data.draw(st.lists(st.sampled_from(others), unique=True, max_size=4))]
+    body = {}
+    for name in names:
+        if data.draw(st.sampled_from([True] * 4 + [False])):
+            body[name] = model if name == "model" else data.draw(WELL_FORMED[name])
+        else:
+            body[name] = data.draw(BAD_COUNT if name.startswith("max_") else ANY)
+    return body
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+@HTTP_FUZZ
+@given(data=st.data())
+async def test_fuzz_http_api_never_answers_5xx(tiny_http, path, data):
+    _, base, model = tiny_http
+    kind = data.draw(st.sampled_from(["object"] * 8 + ["any", "bytes"]))
+    if kind == "bytes":
+        body = data.draw(st.binary(max_size=40))
+    elif kind == "any":
+        body = data.draw(ANY)
+    else:
+        body = json_body(data, path.startswith("chat"), model)
+    status, text = await http("POST", f"{base}/v1/{path}", body)
+    event(f"HTTP {status}")  # --hypothesis-show-statistics: how many generated
+    assert status < 500, (status, text)
+    if status != 200:
+        error = json.loads(text)["error"]
+        assert error["type"] == "invalid_request_error" and error["message"], text
+    elif text.startswith("data: "):
+        assert text.endswith("data: [DONE]\n\n") and '"server_error"' not in text, text
+    else:
+        assert json.loads(text)["choices"][0]["finish_reason"] in ("length", "stop"), text
+
+
+async def test_after_the_http_fuzzing_the_api_serves_and_holds_no_session(tiny_http):
+    stack, base, model = tiny_http
+    body = {"model": model, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True}
+    status, text = await http("POST", f"{base}/v1/completions", body)
+    assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4
+    assert await sessions_released(stack)

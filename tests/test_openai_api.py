@@ -212,15 +212,68 @@ async def test_models_health_and_wrong_model(tiny_http):
         ("completions", {"stop": 5}, "stop", "stop"),
         ("completions", {"prompt": ["one", "two"]}, "prompt", "one request per prompt"),
         ("completions", {"prompt": ""}, None, "empty"),
-        ("completions", {"max_tokens": 100_000}, None, "exceeds"),
-        ("completions", {"specd": {"draft_tokens": 99}}, None, "K=99"),
+        ("completions", {"max_tokens": 100_000}, "max_tokens", "exceeds the 4096 tokens"),
+        ("completions", {"max_tokens": 10**20}, "max_tokens", "exceeds the 4096 tokens"),  # beyond a uint32
+        ("completions", {"max_tokens": 4000, "prompt": [13] * 200}, None, "exceeds"),  # prompt + output: the core
+        ("completions", {"specd": {"draft_tokens": 99}}, "specd.draft_tokens", "K=99"),
+        ("completions", {"specd": {"draft_tokens": 2**40}}, "specd.draft_tokens", "above the largest"),
         ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
         ("completions", {"specd": {"trace": "yes"}}, "specd.trace", "true or false"),
         ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        (
+            "completions",
+            {"stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options",
+            "true or false",
+        ),
+        # Lone surrogates: valid JSON ("\ud800"), but no Unicode, so no UTF-8 for the tokenizer (was a 500).
+        (
+            "completions",
+            {"prompt": "\ud800"},
+            "prompt",
+            "`prompt` is not valid Unicode: it holds a lone surrogate at index 0",
+        ),
+        ("completions", {"prompt": "ok\udfff"}, "prompt", "lone surrogate at index 2"),
+        ("completions", {"stop": ["end", "\ud800"]}, "stop[1]", "not valid Unicode"),
+        ("completions", {"user": "\udc00"}, "user", "not valid Unicode"),
+        ("completions", {"model": "\ud800"}, "model", "not valid Unicode"),
+        ("completions", {"\ud800": 1}, "\\ud800", "the field name `\\ud800` is not valid Unicode"),
+        # Values no uint32 or float32 of the GenerateRequest could carry (were 500s).
+        ("completions", {"prompt": [5, 2**32]}, "prompt", "outside the vocabulary"),
+        ("completions", {"top_k": 2**32}, "top_k", "[-1, 2^32)"),
+        ("completions", {"temperature": 1e39}, "temperature", "float32"),
+        ("completions", {"model": 5}, "model", "must be a string"),
+        ("completions", {"user": ["me"]}, "user", "must be a string"),
         ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
         ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
         ("chat/completions", {"n": 3}, "n", "one choice"),
         ("chat/completions", {"messages": []}, "messages", "non-empty"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "\ud800"}]},
+            "messages[0].content",
+            "`messages[0].content` is not valid Unicode: it holds a lone surrogate at index 0",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
+            "messages[0].content[0].text",
+            "lone surrogate at index 1",
+        ),
+        (
+            "chat/completions",
+            {"messages": [{"role": "wizard", "content": "hi"}]},
+            "messages[0].role",
+            '`messages[0].role` = "wizard" is not a chat role: use system, user, assistant, developer',
+        ),
+        ("chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "no tool calls"),
+        (
+            "chat/completions",
+            {"messages": [{"role": "user", "content": "hi", "name": 7}]},
+            "messages[0].name",
+            "string",
+        ),
+        ("chat/completions", {"max_completion_tokens": 2, "max_tokens": "many"}, "max_tokens", "integer >= 1"),
         (
             "chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
@@ -263,6 +316,36 @@ async def test_defaults_and_nulls_are_accepted(tiny_http):
     assert json.loads(text)["usage"]["completion_tokens"] <= 3
     status, text = await http("POST", f"{base}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "body, says",
+    [
+        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),  # deeper than the parser recurses (was a 500)
+        (b'{"prompt": "\xed\xa0\x80"}', "lone surrogate"),  # a surrogate's would-be UTF-8 bytes
+        ('{"prompt": "\ud800"}'.encode("utf-16-le", "surrogatepass"), "lone surrogate"),  # UTF-16, as JSON may be
+        (b"\xff\xfe\xfd", "not valid JSON"),
+        (b"[1, 2]", "must be a JSON object"),
+        (b"null", "must be a JSON object"),
+    ],
+)
+async def test_bodies_that_do_not_parse_into_a_request_answer_400(tiny_http, body, says):
+    _, base, _ = tiny_http
+    for path in ("completions", "chat/completions"):
+        status, text = await http("POST", f"{base}/v1/{path}", body)
+        assert status == 400 and says in json.loads(text)["error"]["message"], text
+
+
+async def test_a_developer_message_is_a_system_message(tiny_http):
+    """The target's template knows no `developer` role (it would drop the message): it is rendered as `system`."""
+    _, base, model = tiny_http
+    answers = []
+    for role in ("developer", "system"):
+        completion = await client(base).chat.completions.create(
+            model=model, messages=[{"role": role, "content": "Be terse."}, CHAT[1]], max_tokens=4, temperature=0
+        )
+        answers.append((completion.choices[0].message.content, completion.usage.prompt_tokens))
+    assert answers[0] == answers[1]
 
 
 def scrape(text: str) -> dict[str, float]:
