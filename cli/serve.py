@@ -193,8 +193,10 @@ def limits_from_args(args) -> Limits:
 
 def run_model_service(args: argparse.Namespace) -> int:
     from specd.deploy.services import model_server
+    from specd.model.cpu_blas import preload_on_amd
     from specd.serving.server import serve_until_signal
 
+    preload_on_amd()  # on an AMD CPU: this process again, with MKL's fast kernels (model/cpu_blas.py)
     check_service_device(args.role, args)  # one line and exit 2 before anything starts, e.g. no GPU here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     server = model_server(
