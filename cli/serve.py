@@ -16,7 +16,7 @@ from specd.cli.common import (
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
-from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, MAX_Q_BYTES, Limits
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
@@ -38,7 +38,7 @@ def add_parser(verbs) -> None:
         add_device_flag(parser, "--device", role)
         add_cuda_graphs_flag(parser, f"the {role}")
         add_quantize_flag(parser, "--quantize", role)
-        _add_limit_flags(parser)
+        _add_limit_flags(parser, role)
         add_server_flags(parser)
         parser.set_defaults(run=run_model_service)
     parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
@@ -92,7 +92,7 @@ def _add_address_flags(parser, role: str) -> None:
     parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoint")
 
 
-def _add_limit_flags(parser) -> None:
+def _add_limit_flags(parser, role: str) -> None:
     defaults = Limits()
     parser.add_argument("--max-sessions", type=int, default=defaults.max_sessions, help="live sessions at once")
     parser.add_argument(
@@ -109,6 +109,16 @@ def _add_limit_flags(parser) -> None:
         help="longest session (prompt + output + drafts)",
     )
     parser.add_argument("--max-draft-tokens", type=int, default=defaults.max_draft_tokens, help="largest K accepted")
+    if role == "draft":
+        parser.add_argument(
+            "--max-q-bytes",
+            type=_q_bytes_flag,
+            default=defaults.max_q_bytes,
+            metavar="BYTES",
+            help=f"most bytes the q rows of one sampled Propose may take (K rows of min(top_k, vocabulary) "
+            f"entries; default {defaults.max_q_bytes:,}, at most {MAX_Q_BYTES:,}); a Propose that could take "
+            f"more is refused INVALID_ARGUMENT, and the orchestrator asks for a K that fits",
+        )
     parser.add_argument(
         "--idle-timeout",
         type=float,
@@ -130,6 +140,19 @@ def _add_limit_flags(parser) -> None:
         default=defaults.batch_wait_ms,
         help="how long a pass may wait for the streams the last pass served to send their next call",
     )
+
+
+def _q_bytes_flag(value: str) -> int:
+    """--max-q-bytes: 1..MAX_Q_BYTES (the rows must fit in the gRPC messages that carry them)."""
+    try:
+        limit = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of bytes, got {value!r}") from None
+    if not 1 <= limit <= MAX_Q_BYTES:
+        raise argparse.ArgumentTypeError(
+            f"must be in 1..{MAX_Q_BYTES} (half the {2 * MAX_Q_BYTES}-byte gRPC message limit), got {limit}"
+        )
+    return limit
 
 
 def _add_orchestrator_limit_flags(parser) -> None:
@@ -188,6 +211,7 @@ def limits_from_args(args) -> Limits:
         max_batch_size=args.max_batch_size,
         max_batch_tokens=args.max_batch_tokens,
         batch_wait_ms=args.batch_wait_ms,
+        max_q_bytes=getattr(args, "max_q_bytes", Limits().max_q_bytes),  # a draft's only
     )
 
 

@@ -20,6 +20,7 @@ from specd.orchestrator.generation import GenerationRequest, Stats
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.worker import WorkerPool
+from specd.proto.limits import q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 
 INFO_TIMEOUT_S = 2.0  # a service's Info is answered on its event loop, never behind a model pass
@@ -69,6 +70,14 @@ class Core:
     @property
     def services_max_k(self) -> int:
         return min(self.pair.draft_info.max_draft_tokens, self.pair.target_info.max_draft_tokens)
+
+    def q_max_k(self, sampling: common_pb2.SamplingParams) -> int | None:
+        """The largest K whose q rows at this sampling fit the draft's --max-q-bytes (ModelInfo.max_q_bytes);
+        None where nothing bounds it: greedy (no q rows), or a draft that reports no limit."""
+        draft = self.pair.draft_info
+        if sampling.temperature == 0 or not draft.max_q_bytes:
+            return None
+        return q_draft_tokens(draft.max_q_bytes, sampling.top_k, draft.vocab_size)
 
     async def info(self) -> specdecode_pb2.OrchestratorInfo:
         """The services' Info as they answer now (sessions, cached tokens, queued calls, passes by
@@ -137,6 +146,9 @@ class Core:
                 f"draft_tokens K={k} is above the largest the services accept ({self.services_max_k}); "
                 f"0 turns speculation off"
             )
+        max_k, q_max_k = self.max_draft_tokens, self.q_max_k(sampling)
+        if q_max_k is not None:  # sampling with a large top_k (or none): a smaller K, never a refused Propose
+            k, max_k = None if k is None else min(k, q_max_k), min(max_k, q_max_k)
         return GenerationRequest(
             prompt_ids=prompt_ids,
             max_new_tokens=message.max_new_tokens,
@@ -146,7 +158,7 @@ class Core:
             seed=sampling.seed,
             stop=list(message.stop),
             draft_tokens=k,
-            max_draft_tokens=self.max_draft_tokens,
+            max_draft_tokens=max_k,
             ignore_eos=message.ignore_eos,
             deadline=None if time_remaining is None else time.time() + time_remaining,
         )

@@ -10,11 +10,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tokenizers import Tokenizer
 
 from specd.proto.auth import ClientSecurity
+from specd.proto.limits import MAX_MESSAGE_BYTES
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    ("grpc.max_send_message_length", 64 * 1024 * 1024),
+    # The services' own limit: the target's tokenizer files, and q rows up to the draft's --max-q-bytes.
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     # Reconnect to a restarted service within about a second (gRPC's default backs off to 2 min).
     ("grpc.initial_reconnect_backoff_ms", 200),
     ("grpc.min_reconnect_backoff_ms", 500),

@@ -1,7 +1,8 @@
 """What a model service may hold and do: its limits, and the weight quantizations it offers.
 
 Part of the contract (ModelInfo reports the limits), and torch-free: the command line and the
-cluster deployer read these on machines without torch.
+cluster deployer read these on machines without torch. Also the size of the draft's q rows on the
+wire, which both the draft (its --max-q-bytes) and the orchestrator (the K it asks for) compute.
 """
 
 from dataclasses import dataclass
@@ -10,6 +11,12 @@ QUANTIZATIONS = ("none", "int8", "int4")  # weight-only schemes a model service 
 # max_cached_tokens = 0: "auto", the service derives it from its device when it loads (model/service.py):
 # on a GPU what fits in the memory free after loading, on a CPU the default below.
 AUTO_CACHED_TOKENS = 0
+# gRPC's message limit, send and receive, on the services and on the orchestrator's channels to them:
+# past gRPC's 4 MiB default for the tokenizer files (Qwen2.5's tokenizer.json is 11 MB) and the q rows.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# The largest --max-q-bytes: half a message, so the Verify that carries the rows on to the target,
+# with its cursor's tokens, always fits.
+MAX_Q_BYTES = MAX_MESSAGE_BYTES // 2
 
 
 @dataclass(frozen=True)
@@ -22,3 +29,65 @@ class Limits:
     max_batch_size: int = 16  # calls sharing one forward pass
     max_batch_tokens: int = 256  # new tokens in one batched pass
     batch_wait_ms: float = 10.0  # how long a pass may wait for the sessions the last one served
+    max_q_bytes: int = 4 * 1024 * 1024  # the draft's: q rows of one sampled Propose reply, as encoded (q_bytes)
+
+
+# -- q rows on the wire ---------------------------------------------------------------------------
+# A q row is a SparseDistribution (draft.proto): its token ids as packed varints (1 to 3 bytes each
+# below 2^21), 4 bytes of float32 each, in a `q` entry of the ProposeResponse. A sampled row keeps at
+# most min(top_k, V) entries (top_k 0: V), fewer after pruning, so K and top_k bound a reply's rows
+# before anything is computed.
+
+
+def q_row_entries(top_k: int, vocab_size: int) -> int:
+    """The most entries a q row has when sampling at this top_k (0: off, the whole vocabulary)."""
+    return top_k if 0 < top_k < vocab_size else vocab_size
+
+
+def q_row_bytes(entries: int, vocab_size: int) -> int:
+    """The most bytes one q row of `entries` ids takes in a ProposeResponse, framing included:
+    as if its ids were the vocabulary's highest (the longest varints)."""
+    ids = _ids_bytes(vocab_size - entries, vocab_size)
+    inner = _field_bytes(ids) + _field_bytes(4 * entries)
+    return _field_bytes(inner)
+
+
+def q_bytes(k: int, top_k: int, vocab_size: int) -> int:
+    """The most bytes the K q rows of one sampled Propose reply take (what --max-q-bytes bounds)."""
+    return k * q_row_bytes(q_row_entries(top_k, vocab_size), vocab_size)
+
+
+def q_draft_tokens(max_q_bytes: int, top_k: int, vocab_size: int) -> int:
+    """The largest K whose q rows at this top_k fit in max_q_bytes (0: not even one row)."""
+    return max_q_bytes // q_row_bytes(q_row_entries(top_k, vocab_size), vocab_size)
+
+
+def q_top_k(max_q_bytes: int, k: int, vocab_size: int) -> int:
+    """The largest top_k at which K q rows fit in max_q_bytes (0: none does)."""
+    low, high = 0, vocab_size  # q_row_bytes grows with the entries: bisect
+    while low < high:
+        middle = (low + high + 1) // 2
+        if k * q_row_bytes(middle, vocab_size) <= max_q_bytes:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def _varint_bytes(value: int) -> int:
+    return max(1, (value.bit_length() + 6) // 7)
+
+
+def _field_bytes(payload: int) -> int:
+    """A length-delimited field with a 1-byte tag: tag, length, payload."""
+    return 1 + _varint_bytes(payload) + payload
+
+
+def _ids_bytes(low: int, high: int) -> int:
+    """The varint bytes of every id in low..high-1."""
+    total, start, width = 0, 0, 1
+    while start < high:
+        end = 1 << (7 * width)  # ids below this take `width` bytes
+        total += width * max(0, min(high, end) - max(low, start))
+        start, width = end, width + 1
+    return total

@@ -83,6 +83,7 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         queued_calls=scheduler.queue_depth,
         quantization=described.quantization,
         batched_tokens=scheduler.batched_tokens,
+        max_q_bytes=limits.max_q_bytes if service.role == "draft" else 0,
         device=described.device,
         device_name=memory.name,
         device_memory_total_bytes=memory.total_bytes,

@@ -15,13 +15,12 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.model.service import ModelService
 from specd.proto.auth import ServerSecurity
+from specd.proto.limits import MAX_MESSAGE_BYTES
 from specd.proto.metrics import start_exporter
 from specd.serving.metrics import ServiceMetrics
 from specd.serving.thread import ModelThread
 
 log = logging.getLogger("specd.serving.server")
-
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # q rows of a long sampled draft can pass the 4 MiB default
 
 
 class ModelServer:

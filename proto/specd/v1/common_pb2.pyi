@@ -31,7 +31,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "role", "vocab_size", "tokenizer_fingerprint", "dtype", "max_session_tokens", "max_sessions", "max_cached_tokens", "max_draft_tokens", "eos_token_ids", "live_sessions", "cached_tokens", "max_batch_size", "max_batch_tokens", "batch_sizes", "queued_calls", "quantization", "device", "device_name", "device_memory_total_bytes", "device_memory_free_bytes", "batched_tokens")
+    __slots__ = ("model", "role", "vocab_size", "tokenizer_fingerprint", "dtype", "max_session_tokens", "max_sessions", "max_cached_tokens", "max_draft_tokens", "eos_token_ids", "live_sessions", "cached_tokens", "max_batch_size", "max_batch_tokens", "batch_sizes", "queued_calls", "quantization", "device", "device_name", "device_memory_total_bytes", "device_memory_free_bytes", "batched_tokens", "max_q_bytes")
     class BatchSizesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class ModelInfo(_message.Message):
     DEVICE_MEMORY_TOTAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_MEMORY_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MAX_Q_BYTES_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     vocab_size: int
@@ -83,7 +84,8 @@ class ModelInfo(_message.Message):
     device_memory_total_bytes: int
     device_memory_free_bytes: int
     batched_tokens: int
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., quantization: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_total_bytes: _Optional[int] = ..., device_memory_free_bytes: _Optional[int] = ..., batched_tokens: _Optional[int] = ...) -> None: ...
+    max_q_bytes: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., quantization: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_total_bytes: _Optional[int] = ..., device_memory_free_bytes: _Optional[int] = ..., batched_tokens: _Optional[int] = ..., max_q_bytes: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
