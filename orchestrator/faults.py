@@ -1,7 +1,11 @@
 """How the orchestrator rides out slow, dead and restarted services (no gRPC calls here).
 
 - Every service call gets timeout = min(seconds left of the client's deadline, a per-call cap):
-  `propose_timeout_s` for Propose, `call_timeout_s` for everything else.
+  `propose_timeout_s` for Propose, `call_timeout_s` for everything else. A Propose that first
+  catches the draft up on n tokens (it opens the session, or follows target-only steps) gets
+  (1 + n / CATCHUP_TOKENS_PER_CAP) Propose caps, at most `call_timeout_s`: a prefill's time, yet
+  bounded by its size, so a frozen draft stalls a step for about one Propose cap, never for a
+  prefill's (before: `call_timeout_s` for any catch-up, 300 s by default).
 - The draft is optional ("fail closed"): when a Propose fails or runs past its cap, the step
   runs target-only (a Decode), so the output stays the target's own. A `DraftGate`, one per
   worker, then keeps every request off the draft for a back-off (0.5 s, doubling to 8 s) and
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 
 import grpc
 
+CATCHUP_TOKENS_PER_CAP = 128  # a catch-up Propose gets one more Propose cap per this many tokens
+
 
 @dataclass(frozen=True)
 class FaultPolicy:
@@ -26,6 +32,11 @@ class FaultPolicy:
     call_timeout_s: float = 300.0  # cap on one Prefill/Verify/Decode (long prompts on a CPU are slow)
     target_retry_s: float = 30.0  # keep retrying an unavailable target this long, then UNAVAILABLE
     draft_backoff_s: tuple[float, float] = (0.5, 8.0)  # first and longest pause after a draft failure
+
+    def propose_cap(self, tokens: int) -> float:
+        """The cap on a Propose whose cursor sends `tokens` (more than 2: it first catches up on them)."""
+        catch_up = max(0, tokens - 2) / CATCHUP_TOKENS_PER_CAP
+        return min(self.call_timeout_s, self.propose_timeout_s * (1 + catch_up))
 
 
 class ServiceFailed(Exception):

@@ -104,8 +104,8 @@ class RemoteSession:
             committed,
             lambda cursor: self.stub.Propose(
                 draft_pb2.ProposeRequest(cursor=cursor, num_draft_tokens=k, sampling=sampling),
-                timeout=self.timeout(self.policy.propose_timeout_s if len(cursor.tokens) <= 2 else None),
-            ),  # a Propose that first catches up (opens the session, or follows target-only steps): a prefill's cap
+                timeout=self.timeout(self.policy.propose_cap(len(cursor.tokens))),
+            ),
         )
         self._record(committed + list(reply.draft_tokens), reply.cached_tokens)
         return reply, seconds

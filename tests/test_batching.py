@@ -15,7 +15,7 @@ from specd.model.scheduler import Bounds, Job, Scheduler
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import LIVE_SESSIONS_KEY, PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY, fingerprint
-from specd.proto.limits import Limits
+from specd.proto.limits import MAX_Q_BYTES, Limits
 from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2
 
@@ -128,7 +128,8 @@ def test_a_refused_call_leaves_its_batch_alone(tiny_loaded):
 
 @pytest.mark.parametrize("sampling", [Sampling(), SAMPLED], ids=["greedy", "sampled"])
 def test_propose_batch_equals_one_call_at_a_time(tiny_loaded, sampling):
-    engine = Drafter(TransformersEngine(tiny_loaded["draft"]), Limits())
+    # K up to 5 of nearly dense q rows (a tiny random model's): 5.2 MB, past the default cap
+    engine = Drafter(TransformersEngine(tiny_loaded["draft"]), Limits(max_q_bytes=MAX_Q_BYTES))
     alone, together = opened(engine, "alone"), opened(engine, "together")
     for step in range(4):
         ks = [(i + step) % 5 + 1 for i in range(len(PROMPTS))]

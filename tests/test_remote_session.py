@@ -14,7 +14,7 @@ import time
 import grpc
 import pytest
 
-from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
+from specd.orchestrator.faults import CATCHUP_TOKENS_PER_CAP, DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.sessions import RESYNC_ATTEMPTS, RemoteSession
 from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY, SERVICE_SECONDS_KEY, fingerprint
@@ -418,9 +418,11 @@ async def test_timeouts_are_the_per_call_caps():
     proposal, _ = await drafter.propose(PROMPT, 2, GREEDY)
     await verifier.prefill(PROMPT)
     await verifier.verify(PROMPT, proposal.draft_tokens, proposal.q, GREEDY)
-    await drafter.propose(PROMPT + [7, 8, 9], 2, GREEDY)  # catching up on 3 tokens first: a prefill's cap
+    await drafter.propose(PROMPT + [7, 8, 9], 2, GREEDY)  # catching up on 3 tokens first: a longer cap
+    await drafter.propose(PROMPT + [7, 8, 9] + list(range(100, 2100)), 2, GREEDY)  # on 2,000: a call's cap
     proposes = [timeout for method, _, timeout in draft.calls if method == "Propose"]
-    assert proposes == [POLICY.propose_timeout_s, POLICY.call_timeout_s]
+    catch_up = POLICY.propose_timeout_s * (1 + 1 / CATCHUP_TOKENS_PER_CAP)  # a cursor of 3: 1 past an in-step 2
+    assert proposes == [POLICY.propose_timeout_s, pytest.approx(catch_up), POLICY.call_timeout_s]
     assert {timeout for _, _, timeout in target.calls} == {POLICY.call_timeout_s}
 
 
