@@ -185,6 +185,7 @@ def build_report(
             "device": settings.device,
             "draft_device": settings.draft_device,
             "cuda_graphs": {"draft": settings.draft_cuda_graphs, "target": settings.target_cuda_graphs},
+            "engine": {"draft": settings.draft_engine, "target": settings.target_engine},
             "threads": settings.threads,
             "draft_model": settings.draft_model,
             "target_model": settings.target_model,

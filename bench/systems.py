@@ -58,6 +58,8 @@ class BenchSettings:
     draft_device: str = "auto"  # the draft's: specd's draft service and HF's assistant model
     draft_cuda_graphs: str | None = None  # each service's --cuda-graphs (None: its default, auto)
     target_cuda_graphs: str | None = None
+    draft_engine: str | None = None  # each service's --engine (None: its default, auto); HF's run transformers
+    target_engine: str | None = None
     threads: int | None = None
     draft_model: str = "draft"
     target_model: str = "target"
@@ -227,6 +229,8 @@ async def run_bench(
                     target_device=settings.device,
                     draft_cuda_graphs=settings.draft_cuda_graphs,
                     target_cuda_graphs=settings.target_cuda_graphs,
+                    draft_engine=settings.draft_engine,
+                    target_engine=settings.target_engine,
                 ),
                 say=say,
             )

@@ -162,6 +162,8 @@ def _settings(args):
         draft_device=args.draft_device,
         draft_cuda_graphs=graphs["draft"],
         target_cuda_graphs=graphs["target"],
+        draft_engine=args.draft_engine,
+        target_engine=args.engine,
     )
 
 

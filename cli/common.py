@@ -4,7 +4,7 @@ import argparse
 import json
 import re
 
-from specd.proto.limits import QUANTIZATIONS
+from specd.proto.limits import ENGINES, QUANTIZATIONS
 
 
 class UserError(Exception):
@@ -34,6 +34,17 @@ def add_quantize_flag(parser: argparse.ArgumentParser, flag: str, role: str) -> 
             if role == "draft"
             else "none; int8/int4 make a CPU target faster but change its output)"
         ),
+    )
+
+
+def add_engine_flag(parser: argparse.ArgumentParser, flag: str, role: str, note: str = "") -> None:
+    """--engine of a model service (`--draft-engine` for the draft of a whole stack)."""
+    parser.add_argument(
+        flag,
+        choices=ENGINES,
+        default="auto",
+        help=f"{note}what the {role} runs its model on (default auto: llama.cpp on a CPU when the model has a "
+        "GGUF file, as the default pair does; transformers on a GPU or for a plain HF model)",
     )
 
 
@@ -92,11 +103,15 @@ def add_cuda_graphs_flag(parser: argparse.ArgumentParser, services: str, note: s
     )
 
 
-def add_stack_device_flags(parser: argparse.ArgumentParser, note: str = "", graphs_note: str = "") -> None:
-    """--device (the target's), --draft-device and --cuda-graphs: the same on up, generate and bench."""
+def add_stack_device_flags(parser: argparse.ArgumentParser, note: str = "", services_note: str = "") -> None:
+    """--device (the target's), --draft-device, --cuda-graphs, --engine (the target's) and --draft-engine:
+    the same on up, generate and bench. `services_note` (default `note`) prefixes the help of the flags
+    only specd's model services take (bench's HF baselines take the devices too)."""
     add_device_flag(parser, "--device", "target", note)
     add_device_flag(parser, "--draft-device", "draft", note)
-    add_cuda_graphs_flag(parser, "each service on a GPU", graphs_note or note)
+    add_cuda_graphs_flag(parser, "each service on a GPU", services_note or note)
+    add_engine_flag(parser, "--engine", "target service", services_note or note)
+    add_engine_flag(parser, "--draft-engine", "draft service", services_note or note)
 
 
 def device_choice(flag: str, value: str) -> str:

@@ -78,6 +78,8 @@ async def _generate(args, graphs: dict[str, str] | None) -> dict:
             target_device=args.device,
             draft_cuda_graphs=graphs["draft"],
             target_cuda_graphs=graphs["target"],
+            draft_engine=args.draft_engine,
+            target_engine=args.engine,
         )
         stack = await LocalStack(config).start()
         address = stack.address

@@ -8,6 +8,7 @@ from specd.cli.common import (
     UserError,
     add_cuda_graphs_flag,
     add_device_flag,
+    add_engine_flag,
     add_model_flags,
     add_quantize_flag,
     check_service_device,
@@ -37,6 +38,7 @@ def add_parser(verbs) -> None:
         add_model_flags(parser)
         add_device_flag(parser, "--device", role)
         add_cuda_graphs_flag(parser, f"the {role}")
+        add_engine_flag(parser, "--engine", role)
         add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser, role)
         add_server_flags(parser)
@@ -232,6 +234,7 @@ def run_model_service(args: argparse.Namespace) -> int:
         limits_from_args(args),
         device=args.device,
         cuda_graphs=args.cuda_graphs,
+        engine=args.engine,
     )
     asyncio.run(
         serve_until_signal(

@@ -134,6 +134,8 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_device=args.device,
             draft_cuda_graphs=graphs["draft"],
             target_cuda_graphs=graphs["target"],
+            draft_engine=args.draft_engine,
+            target_engine=args.engine,
             target_gpus=args.target_gpus,
             draft_port=args.draft_port,
             target_port=args.target_port,
@@ -192,6 +194,8 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_device=args.device,
             draft_cuda_graphs=graphs["draft"],
             target_cuda_graphs=graphs["target"],
+            draft_engine=args.draft_engine,
+            target_engine=args.engine,
         )
     )
     try:

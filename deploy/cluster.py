@@ -39,6 +39,8 @@ class ClusterConfig:
     target_device: str = "auto"  # auto: cuda:0 of the actor when its node (or Ray) gives it a GPU, else cpu
     draft_cuda_graphs: str = "auto"  # auto (on for a CUDA device), on or off
     target_cuda_graphs: str = "auto"
+    draft_engine: str = "auto"  # auto (llama.cpp on a CPU for a model with a GGUF), transformers or llama.cpp
+    target_engine: str = "auto"
     # GPUs the target's actor asks Ray for (num_gpus). 0: none in Ray's accounting (Ray 2.60 then leaves
     # CUDA_VISIBLE_DEVICES alone: the actor sees every GPU of its node), except that a target placed by
     # GPU (no `target` resource in the cluster) asks for 1. With >= 1 Ray assigns it its own GPU(s).
@@ -100,22 +102,22 @@ class ModelServiceActor:
         metrics_port: int | None,
         device: str = "auto",
         cuda_graphs: str = "auto",
+        engine: str = "auto",
     ):
         self.port = port
+        service_options = dict(device=device, cuda_graphs=cuda_graphs, engine=engine)
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
-            self._serve(role, model, dtype, threads, quantize, limits, metrics_port, device, cuda_graphs)
+            self._serve(role, model, dtype, threads, quantize, limits, metrics_port, service_options)
         )
 
-    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port, device, cuda_graphs) -> None:
+    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port, service_options) -> None:
         from specd.deploy.services import model_server
         from specd.proto.metrics import start_exporter
 
-        # `device` resolves here, in the actor: with num_gpus, Ray has set CUDA_VISIBLE_DEVICES to the
-        # GPU(s) it assigned, so auto and cuda mean cuda:0 of those
-        self.server = model_server(
-            role, model, dtype, threads, quantize, limits, device=device, cuda_graphs=cuda_graphs
-        )
+        # `device` (and with it the engine `auto` picks) resolves here, in the actor: with num_gpus,
+        # Ray has set CUDA_VISIBLE_DEVICES to the GPU(s) it assigned, so auto and cuda mean cuda:0 of those
+        self.server = model_server(role, model, dtype, threads, quantize, limits, **service_options)
         if not await self.server.start(f"0.0.0.0:{self.port}"):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
@@ -202,17 +204,29 @@ class ClusterStack:
         config = self.config
         if role == "draft":
             port, metrics_port, quantize = config.draft_port, config.draft_metrics_port, config.draft_quantize
-            device, graphs, gpus = config.draft_device, config.draft_cuda_graphs, 0
+            device, graphs, engine, gpus = config.draft_device, config.draft_cuda_graphs, config.draft_engine, 0
         else:
             port, metrics_port, quantize = config.target_port, config.target_metrics_port, config.target_quantize
-            device, graphs, gpus = config.target_device, config.target_cuda_graphs, config.target_gpus
+            device, graphs, engine = config.target_device, config.target_cuda_graphs, config.target_engine
+            gpus = config.target_gpus
         options = placement(role, resources, gpus)
         actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **options).remote(
-            role, model, config.dtype, config.threads, quantize, config.limits, port, metrics_port, device, graphs
+            role,
+            model,
+            config.dtype,
+            config.threads,
+            quantize,
+            config.limits,
+            port,
+            metrics_port,
+            device,
+            graphs,
+            engine,
         )
         deployed = await self._locate(Deployed(role, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
-        self.say(f"{role}: loading {model} on {deployed.address} (pid {deployed.pid}, --device {device}{gpu_note})")
+        where = f"pid {deployed.pid}, --device {device}{gpu_note}, --engine {engine}"
+        self.say(f"{role}: loading {model} on {deployed.address} ({where})")
         await self._until_serving(deployed, timeout_s=900)
         return deployed
 

@@ -43,6 +43,8 @@ class StackConfig:
     target_device: str | None = None
     draft_cuda_graphs: str | None = None  # auto, on or off; None: the service's default (`auto`)
     target_cuda_graphs: str | None = None
+    draft_engine: str | None = None  # auto, transformers or llama.cpp; None: the service's default (`auto`)
+    target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     extra_service_flags: list[str] = field(default_factory=list)
     # Environment of the two model services, where this process's own does not set the variable
@@ -96,6 +98,7 @@ class LocalStack:
                     quantize=config.draft_quantize,
                     device=config.draft_device,
                     cuda_graphs=config.draft_cuda_graphs,
+                    engine=config.draft_engine,
                 ),
                 *config.extra_service_flags,
             ],
@@ -115,6 +118,7 @@ class LocalStack:
                     quantize=config.target_quantize,
                     device=config.target_device,
                     cuda_graphs=config.target_cuda_graphs,
+                    engine=config.target_engine,
                 ),
                 *config.extra_service_flags,
             ],

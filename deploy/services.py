@@ -14,12 +14,14 @@ def model_server(
     limits: Limits,
     device: str = "auto",
     cuda_graphs: str = "auto",
+    engine: str = "auto",
 ):
     """A ModelServer for `role` ("draft" or "target"): start() binds it; load() loads the engine.
 
     `device`: auto, cpu, cuda or cuda:N, resolved for the role where the service runs
     (model/devices.py: auto puts a target on cuda:0 when a GPU is visible, a draft on the CPU);
-    `cuda_graphs`: auto (on for a CUDA device), on or off."""
+    `cuda_graphs`: auto (on for a CUDA device), on or off; `engine`: auto, transformers or llama.cpp
+    (model/loading.py choose_engine: auto is llama.cpp for a GGUF on a CPU)."""
     from specd.model.loading import load_engine
 
     if role == "draft":
@@ -30,7 +32,9 @@ def model_server(
         from specd.target_service.verifier import Verifier as service
 
     def load():
-        engine = load_engine(role, model, dtype, threads, quantize, device=device, cuda_graphs=cuda_graphs)
-        return service(engine, limits)
+        loaded = load_engine(
+            role, model, dtype, threads, quantize, device=device, cuda_graphs=cuda_graphs, engine=engine, limits=limits
+        )
+        return service(loaded, limits)
 
     return create_server(load)

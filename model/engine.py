@@ -25,6 +25,7 @@ class ModelDescription:
     eos_token_ids: list[int]
     tokenizer_fingerprint: str  # equal on both sides means they agree on token ids
     quantization: str = "none"
+    max_sessions: int | None = None  # the most sessions the engine can hold; None: no bound of its own
 
 
 @dataclass(frozen=True)

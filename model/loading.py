@@ -2,6 +2,7 @@
 
 import hashlib
 import json
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from specd.proto.limits import QUANTIZATIONS
+from specd.proto.limits import AUTO_CACHED_TOKENS, ENGINES, QUANTIZATIONS, Limits
 
 
 @dataclass
@@ -143,6 +144,80 @@ def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
         return {path.name: path.read_bytes() for path in Path(folder).iterdir() if path.is_file()}
 
 
+# The llama.cpp engine allocates its KV cache when it starts, a stream of --max-session-tokens per
+# session (model/llama_cpp_engine.py): this many tokens in all when --max-cached-tokens is auto
+# (float16 KV: 3.7 GB for the 1.5B target, 1.6 GB for the 0.5B draft), so 16 sessions of 8,192.
+LLAMA_CPP_CACHED_TOKENS = 131_072
+
+
+def find_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file a model name stands for: a default-pair name's pinned GGUF in the model cache
+    (`specd models fetch` keeps it), or a path to a .gguf file; None if there is none."""
+    from specd.model.store import find_spec, gguf_path
+
+    if name_or_path.endswith(".gguf"):
+        return Path(name_or_path) if Path(name_or_path).is_file() else None
+    spec = find_spec(name_or_path)
+    return gguf_path(spec) if spec is not None and gguf_path(spec).is_file() else None
+
+
+def choose_engine(choice: str, name_or_path: str, device: torch.device) -> str:
+    """`--engine auto`: llama.cpp for a model on a CPU when it has a GGUF (the default pair does),
+    transformers otherwise (a GPU, a plain HF model). An explicit choice is checked, not changed."""
+    if choice not in ENGINES:
+        raise ValueError(f"--engine takes {', '.join(ENGINES)}, not {choice!r}")
+    if choice == "transformers":
+        return choice
+    if choice == "llama.cpp":
+        if device.type != "cpu":
+            raise ValueError(f"the llama.cpp engine runs on the CPU (its build here has no GPU backend), not {device}")
+        if find_gguf(name_or_path) is None:
+            raise ValueError(
+                f"--engine llama.cpp needs a GGUF: {name_or_path!r} is neither a default-pair name with its GGUF "
+                "in the model cache (specd models fetch) nor a .gguf file"
+            )
+        return choice
+    return "llama.cpp" if device.type == "cpu" and find_gguf(name_or_path) is not None else "transformers"
+
+
+def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits):
+    """The llama.cpp engine over the model's GGUF, with the tokenizer of the HF files beside it (a
+    default-pair name's converted folder, or tokenizer files in the .gguf's folder), else the GGUF's own.
+    Its KV holds --max-sessions streams of --max-session-tokens, fewer where --max-cached-tokens
+    (auto: LLAMA_CPP_CACHED_TOKENS) does not hold them all; the service then takes fewer sessions."""
+    from transformers import GenerationConfig
+
+    from specd.model.llama_cpp_engine import LlamaCppEngine
+    from specd.model.store import find_spec, resolve_model
+
+    gguf = find_gguf(name_or_path)
+    spec = find_spec(name_or_path)
+    folder = resolve_model(name_or_path) if spec is not None else gguf.parent
+    if (Path(folder) / "tokenizer.json").is_file():
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        try:
+            ids = GenerationConfig.from_pretrained(folder).eos_token_id
+        except OSError:
+            ids = None
+    else:
+        tokenizer, ids = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), None
+    ids = ids if ids is not None else tokenizer.eos_token_id
+    eos = sorted(set(ids if isinstance(ids, list) else [ids] if ids is not None else []))
+    set_threads(threads)  # the same count for llama.cpp's threads and torch's (sampling, acceptance)
+    cached = limits.max_cached_tokens if limits.max_cached_tokens != AUTO_CACHED_TOKENS else LLAMA_CPP_CACHED_TOKENS
+    session_tokens = min(limits.max_session_tokens, cached)
+    sessions = min(limits.max_sessions, cached // session_tokens)
+    return LlamaCppEngine(
+        gguf,
+        spec.name if spec else name_or_path,
+        tokenizer,
+        eos,
+        threads=torch.get_num_threads(),
+        sessions=sessions,
+        session_tokens=session_tokens,
+    )
+
+
 def load_engine(
     role: str,
     model: str,
@@ -151,12 +226,14 @@ def load_engine(
     quantize: str = "auto",
     device: str = "auto",
     cuda_graphs: str = "auto",
+    engine: str = "auto",
+    limits: Limits = Limits(),
 ):
     """The Engine (model/engine.py) a `role` service runs `model` on: a default-pair name, a local
-    HF directory or a hub id, on the device `--device` names for the role (model/devices.py).
-    `cuda_graphs`: auto (on for a CUDA device), on or off. Today always the transformers engine;
-    the engine choice goes here. An unknown or absent device raises DeviceUnavailable before
-    anything loads."""
+    HF directory, a hub id or a .gguf file, on the device `--device` names for the role
+    (model/devices.py), with the engine `--engine` names (choose_engine). `cuda_graphs`: auto (on
+    for a CUDA device), on or off. `limits`: the service's, which size the llama.cpp engine's KV
+    cache. An unknown or absent device raises DeviceUnavailable before anything loads."""
     from specd.model.devices import DeviceUnavailable, resolve_device
     from specd.model.transformers_engine import TransformersEngine  # it imports this module
 
@@ -165,5 +242,9 @@ def load_engine(
         raise ValueError(f"--cuda-graphs takes auto, on or off, not {cuda_graphs!r}")
     if cuda_graphs == "on" and placed.type != "cuda":
         raise DeviceUnavailable(f"--cuda-graphs on needs a CUDA device; this {role} runs on {placed}")
+    chosen = choose_engine(engine, model, placed)
+    logging.getLogger(__name__).info("the %s runs %s on the %s engine (--engine %s)", role, model, chosen, engine)
+    if chosen == "llama.cpp":
+        return load_llama_cpp_engine(model, threads, limits)
     loaded = load_model(model, dtype, threads, resolve_quantization(role, quantize, placed), placed)
     return TransformersEngine(loaded, graphs=placed.type == "cuda" and cuda_graphs != "off")

@@ -22,6 +22,8 @@ class ModelService:
     def __init__(self, engine: Engine, limits: Limits):
         if limits.max_session_tokens > engine.description.max_positions:
             limits = replace(limits, max_session_tokens=engine.description.max_positions)
+        if engine.description.max_sessions is not None and limits.max_sessions > engine.description.max_sessions:
+            limits = replace(limits, max_sessions=engine.description.max_sessions)
         if limits.max_cached_tokens == AUTO_CACHED_TOKENS:  # no --max-cached-tokens: what the device's memory holds
             limits = replace(limits, max_cached_tokens=engine.kv_token_budget() or Limits().max_cached_tokens)
         self.engine = engine

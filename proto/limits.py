@@ -8,6 +8,7 @@ wire, which both the draft (its --max-q-bytes) and the orchestrator (the K it as
 from dataclasses import dataclass
 
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only schemes a model service offers (model/loading.py)
+ENGINES = ("auto", "transformers", "llama.cpp")  # what a model service runs its model on (--engine)
 # max_cached_tokens = 0: "auto", the service derives it from its device when it loads (model/service.py):
 # on a GPU what fits in the memory free after loading, on a CPU the default below.
 AUTO_CACHED_TOKENS = 0

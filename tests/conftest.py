@@ -58,6 +58,50 @@ def tiny_loaded(tiny_dirs):
     return {role: load_model(str(path), "float32") for role, path in tiny_dirs.items()}
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf(tiny_dirs, tmp_path_factory) -> dict[str, Path]:
+    """The tiny pair as float32 GGUF files for the llama.cpp engine, each in a folder with the
+    tiny model's tokenizer files (the engine takes its tokenizer from there, model/loading.py)."""
+    from tiny_gguf import tokenizer_fields, write_tiny_gguf
+
+    from specd.model.store import find_spec, gguf_path
+
+    source = gguf_path(find_spec("draft"))  # its tokenizer fields are the tiny models' tokenizer
+    if not source.is_file():
+        pytest.skip("the llama.cpp engine's tiny GGUFs copy the default draft's tokenizer: specd models fetch")
+    root = tmp_path_factory.mktemp("gguf")
+    tokenizer, files = tokenizer_fields(source), {}
+    for role, folder in tiny_dirs.items():
+        (root / role).mkdir()
+        for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+            if (folder / name).is_file():
+                (root / role / name).write_bytes((folder / name).read_bytes())
+        files[role] = write_tiny_gguf(folder, root / role / "model.gguf", tokenizer)
+    return files
+
+
+# Engines of engine-parametrized service tests: name -> role -> make(limits), from the tiny pair.
+SERVICE_ENGINES = ["transformers", "llama.cpp"]
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_loaded, request):
+    def engines(name: str):
+        if name == "transformers":
+            return {
+                role: (lambda limits, loaded=loaded: TransformersEngine(loaded)) for role, loaded in tiny_loaded.items()
+            }
+        from specd.model.loading import load_engine
+
+        files = request.getfixturevalue("tiny_gguf")
+        return {
+            role: (lambda limits, role=role: load_engine(role, str(files[role]), engine="llama.cpp", limits=limits))
+            for role in files
+        }
+
+    return engines
+
+
 # Parameters of device-parametrized tests: the CPU always; CUDA where a GPU is visible
 # (scripts/gpu_check.sh runs the `gpu` half on one).
 requires_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU here (scripts/gpu_check.sh)")
@@ -97,8 +141,17 @@ class Services:
 
 async def start_services(draft_loaded, target_loaded, limits: Limits = Limits(), graphs: bool = False) -> Services:
     """`graphs`: both engines step batch-1 rows in their static slot (CUDA graphs on a GPU)."""
-    draft_server = create_draft_server(lambda: Drafter(TransformersEngine(draft_loaded, graphs), limits))
-    target_server = create_target_server(lambda: Verifier(TransformersEngine(target_loaded, graphs), limits))
+    return await serve_engines(
+        lambda limits: TransformersEngine(draft_loaded, graphs),
+        lambda limits: TransformersEngine(target_loaded, graphs),
+        limits,
+    )
+
+
+async def serve_engines(make_draft, make_target, limits: Limits = Limits()) -> Services:
+    """Services over engines made by `make_draft(limits)` and `make_target(limits)`."""
+    draft_server = create_draft_server(lambda: Drafter(make_draft(limits), limits))
+    target_server = create_target_server(lambda: Verifier(make_target(limits), limits))
     for server in (draft_server, target_server):
         await server.start("127.0.0.1:0")
         await server.load()
@@ -154,9 +207,13 @@ class Stack:
 
 
 async def start_stack(draft_loaded, target_loaded, limits: Limits = Limits()) -> Stack:
+    return await stack_over(await start_services(draft_loaded, target_loaded, limits))
+
+
+async def stack_over(services: Services) -> Stack:
+    """An orchestrator on Ray over running services."""
     from specd.orchestrator.server import OrchestratorServer
 
-    services = await start_services(draft_loaded, target_loaded, limits)
     orchestrator = OrchestratorServer(
         f"127.0.0.1:{services.draft_server.port}", f"127.0.0.1:{services.target_server.port}", workers=2
     )

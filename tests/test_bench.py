@@ -110,8 +110,11 @@ def test_report_figures_from_hand_built_runs():
             systems.Run(ids, 1.0, spec(1, 2, 2, [1, 1], 0.6, 0.5)),
         ],  # 0.3 s per drafted token
     }
-    settings = systems.BenchSettings(prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2)
+    settings = systems.BenchSettings(
+        prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2, draft_engine="llama.cpp"
+    )
     report = bench_report.build_report(settings, runs, [[7], [8, 9]])
+    assert report["settings"]["engine"] == {"draft": "llama.cpp", "target": None}  # None: the service's default
     assert report["results"]["hf_target"] == {"tokens": 8, "seconds": 4.0, "tokens_per_s": 2.0}
     assert report["results"]["specd_spec"]["tokens_per_s"] == 4.0
     assert report["ratios"]["specd_spec/hf_target"] == 2.0
@@ -269,9 +272,12 @@ def test_quick_takes_the_first_prompts_and_fewer_tokens():
         device="auto",
         draft_device="auto",
         cuda_graphs="auto",
+        engine="transformers",
+        draft_engine="llama.cpp",
     )
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == systems.QUICK_PROMPTS and settings.max_new_tokens == systems.QUICK_TOKENS
+    assert (settings.draft_engine, settings.target_engine) == ("llama.cpp", "transformers")  # specd's services'
     args.quick = False
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == 24 and settings.max_new_tokens == systems.DEFAULT_TOKENS

@@ -1,5 +1,6 @@
 """The device flags around the engine (issue 15): `--device`, `--draft-device` and `--cuda-graphs` on
 `specd serve`, `up`, `generate` and `bench` reach load_engine (as real processes and Ray actors do it),
+as do the engine flags (`--engine`, and `--draft-engine` on a stack),
 a device that does not exist here is one line on stderr and exit status 2 before anything starts,
 and a service's Info says where it computes (device, its name, total and free memory)."""
 
@@ -8,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import psutil
@@ -16,8 +18,9 @@ import torch
 
 from specd.cli import build_parser
 from specd.cli.common import UserError, check_stack_devices
+from specd.deploy import cluster
 from specd.deploy.cluster import ModelServiceActor, placement
-from specd.deploy.local import free_port
+from specd.deploy.local import Child, LocalStack, StackConfig, free_port
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.limits import Limits
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -115,6 +118,95 @@ def test_a_target_actor_asks_ray_for_the_gpus_it_is_given():
     assert placement("target", {"CPU": 8, "target": 1}) == {"resources": {"target": 0.01}, "num_cpus": 0}
     args = build_parser().parse_args(["up", "--ray-address", "auto", "--target-gpus", "1"])
     assert args.target_gpus == 1 and build_parser().parse_args(["up"]).target_gpus == 0
+
+
+# ---------------------------------------------------------------- the engine flags as the stack passes them on
+
+ENGINE_FLAGS = ("--device", "cpu", "--draft-device", "cpu", "--engine", "transformers", "--draft-engine", "llama.cpp")
+
+
+class Spawned(Exception):
+    """What a fake raises once the stack has said what it would start, so that nothing starts."""
+
+
+def serve_commands(monkeypatch) -> dict[str, list[str]]:
+    """The `specd serve` arguments of each child a LocalStack starts (by name), none of them started."""
+    spawned: dict[str, list[str]] = {}
+
+    def spawn(self, name, port, metrics_port, serve_args, env=None):
+        spawned[name] = serve_args
+        return Child(name, "127.0.0.1:1", process=None, log=Path(""))
+
+    async def wait(self, child):
+        raise Spawned(child.name)
+
+    monkeypatch.setattr(LocalStack, "_spawn", spawn)
+    monkeypatch.setattr(LocalStack, "_wait", wait)
+    return spawned
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+def start_here(command: str, *flags: str) -> None:
+    """`specd up` or `specd generate` (embedded stack) on this machine, up to the first wait."""
+    from specd.cli import generate, up
+
+    if command == "up":
+        args = stack_args(*flags)
+        up.run_here(args, check_stack_devices(args))  # not up.run: it sets this process's SIGTERM handler
+    else:
+        generate.run(build_parser().parse_args(["generate", "def f():", "--no-baseline", *flags]))
+
+
+@pytest.mark.parametrize("command", ["up", "generate"])
+def test_the_engine_flags_reach_each_service_command_line(monkeypatch, command):
+    spawned = serve_commands(monkeypatch)
+    with pytest.raises(Spawned):
+        start_here(command, *ENGINE_FLAGS)
+    assert flag_value(spawned["draft"], "--engine") == "llama.cpp"
+    assert flag_value(spawned["target"], "--engine") == "transformers"
+    assert flag_value(spawned["draft"], "--cuda-graphs") == "auto"  # beside the other flags each child gets
+    with pytest.raises(Spawned):
+        start_here(command, "--device", "cpu", "--draft-device", "cpu")
+    assert {flag_value(spawned[role], "--engine") for role in ("draft", "target")} == {"auto"}
+
+
+def test_a_stack_without_an_engine_leaves_each_service_its_default(monkeypatch):
+    spawned = serve_commands(monkeypatch)
+    with pytest.raises(Spawned):
+        asyncio.run(LocalStack(StackConfig()).start())
+    assert "--engine" not in spawned["draft"] + spawned["target"]
+
+
+def test_up_on_a_cluster_hands_each_service_actor_its_engine(monkeypatch):
+    """`specd up --ray-address`: ClusterConfig to ModelServiceActor's arguments, Ray faked (no cluster)."""
+    from specd.cli.up import run_on_cluster
+
+    started: dict[str, tuple] = {}
+
+    class Actor:
+        @staticmethod
+        def options(**options):
+            return Actor
+
+        @staticmethod
+        def remote(role, *arguments):
+            started[role] = arguments
+            raise Spawned(role)
+
+    monkeypatch.setattr(cluster, "ModelServiceActor", Actor)
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: [{}])
+    monkeypatch.setattr(cluster.ClusterStack, "stop", lambda self: None)
+    args = stack_args("--ray-address", "auto", *ENGINE_FLAGS)
+    with pytest.raises(Spawned):
+        run_on_cluster(args, check_stack_devices(args, here=False))
+    # the actor's last arguments: device, cuda_graphs, engine
+    assert started["draft"][-3:] == ("cpu", "auto", "llama.cpp")
+    assert started["target"][-3:] == ("cpu", "auto", "transformers")
 
 
 # ---------------------------------------------------------------- real processes: Info says where each computes
@@ -223,22 +315,25 @@ async def actor_failure(actor, timeout_s: float = 120) -> str:
     raise AssertionError("the service loaded: its device was not checked")
 
 
-async def test_a_service_actor_hands_device_and_cuda_graphs_to_load_engine(tiny_dirs, ray_local):
-    """No command line in between (it would refuse these first): load_engine itself refuses them."""
+async def test_a_service_actor_hands_device_cuda_graphs_and_engine_to_load_engine(tiny_dirs, ray_local):
+    """No command line in between (it would refuse the first two first): load_engine itself refuses them."""
     model = str(tiny_dirs["target"])
-    cases = {"on a CPU": ("cpu", "on", "--cuda-graphs on needs a CUDA device")}
+    cases = {
+        "on a CPU": ("cpu", "on", "auto", "DeviceUnavailable", "--cuda-graphs on needs a CUDA device"),
+        "no GGUF": ("cpu", "off", "llama.cpp", "ValueError", "--engine llama.cpp needs a GGUF"),
+    }
     if not torch.cuda.is_available():
-        cases["no GPU"] = ("cuda", "auto", "no CUDA GPU is visible")
+        cases["no GPU"] = ("cuda", "auto", "auto", "DeviceUnavailable", "no CUDA GPU is visible")
     actors = {
         name: ModelServiceActor.options(num_cpus=0).remote(
-            "target", model, "float32", 1, "auto", Limits(), free_port(), None, device, graphs
+            "target", model, "float32", 1, "auto", Limits(), free_port(), None, device, graphs, engine
         )
-        for name, (device, graphs, _) in cases.items()
+        for name, (device, graphs, engine, _, _) in cases.items()
     }
     try:
         failures = await asyncio.gather(*(actor_failure(actor) for actor in actors.values()))
-        for (name, (_, _, expected)), why in zip(cases.items(), failures):
-            assert "DeviceUnavailable" in why and expected in why, (name, why)
+        for (name, (*_, error, expected)), why in zip(cases.items(), failures):
+            assert error in why and expected in why, (name, why)
     finally:
         for actor in actors.values():
             ray_local.kill(actor)

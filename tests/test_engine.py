@@ -1,6 +1,6 @@
 """The engine interface (model/engine.py), engine by engine: batching, rollback and release must
 not change a single logit. Every test takes `make_engine`; a new engine joins by adding itself
-to ENGINES (a factory from the tiny target's LoadedModel)."""
+to ENGINES (a factory from the tiny target's LoadedModel and its GGUF file)."""
 
 import pytest
 import torch
@@ -9,18 +9,22 @@ from conftest import DEVICES
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded
+from specd.model.llama_cpp_engine import BATCH_TOKENS, LlamaCppEngine
+from specd.model.loading import load_engine, tokenizer_fingerprint
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 
-# Factories from the tiny target's LoadedModel. "static-slot" steps batch-1 rows in the static
-# slot (model/static_slot.py): through CUDA graphs on a GPU, eagerly on a CPU; its batch-1 rows
-# are checked against batched passes, which never use the slot.
+# Factories from the tiny target's LoadedModel and its GGUF. "static-slot" steps batch-1 rows in the
+# static slot (model/static_slot.py): through CUDA graphs on a GPU, eagerly on a CPU; its batch-1
+# rows are checked against batched passes, which never use the slot. llama.cpp runs the same
+# weights from a float32 GGUF (tests/tiny_gguf.py), on the CPU only.
 ENGINES = {
-    "transformers": TransformersEngine,
-    "transformers-static-slot": lambda loaded: TransformersEngine(loaded, graphs=True),
+    "transformers": lambda loaded, gguf: TransformersEngine(loaded),
+    "transformers-static-slot": lambda loaded, gguf: TransformersEngine(loaded, graphs=True),
+    "llama.cpp": lambda loaded, gguf: load_engine("target", str(gguf()), engine="llama.cpp"),
 }
 PROMPTS = [list(range(1000, 1007)), list(range(2000, 2003)), list(range(3000, 3012))]
 
@@ -32,7 +36,11 @@ def device(request) -> str:
 
 @pytest.fixture(params=list(ENGINES))
 def make_engine(request, tiny_on, device):
-    return lambda: ENGINES[request.param](tiny_on(device)["target"])
+    if request.param == "llama.cpp" and device != "cpu":
+        pytest.skip("the llama.cpp engine runs on the CPU")
+    return lambda: ENGINES[request.param](
+        tiny_on(device)["target"], lambda: request.getfixturevalue("tiny_gguf")["target"]
+    )
 
 
 @pytest.fixture
@@ -48,11 +56,27 @@ def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
     torch.testing.assert_close(actual, expected, atol=1e-4, rtol=1e-4)
 
 
-def test_description(engine, device):
+def test_description(engine, device, tiny_loaded):
     described = engine.description
     assert described.vocab_size == 151_936 and described.max_positions == 4096
-    assert described.dtype == "float32" and described.device.startswith(device) and described.quantization == "none"
-    assert described.eos_token_ids and len(described.tokenizer_fingerprint) == 64
+    assert described.device.startswith(device)
+    weights = (described.dtype, described.quantization)
+    assert weights == (("gguf", "all F32") if isinstance(engine, LlamaCppEngine) else ("float32", "none"))
+    assert described.eos_token_ids == tiny_loaded["target"].eos_token_ids and len(described.tokenizer_fingerprint) == 64
+    assert described.tokenizer_fingerprint == tokenizer_fingerprint(tiny_loaded["target"].tokenizer)
+
+
+def test_llama_cpp_runs_the_same_model_as_transformers(tiny_loaded, tiny_gguf):
+    """The GGUF holds the tiny target's weights: both engines give the same logits, alone and batched."""
+    engines = [
+        TransformersEngine(tiny_loaded["target"]),
+        load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp"),
+    ]
+    rows = [Row(f"s{index}", prompt, len(prompt)) for index, prompt in enumerate(PROMPTS)]
+    transformers, llama_cpp = (engine.forward(rows) for engine in engines)
+    for expected, actual in zip(transformers, llama_cpp):
+        torch.testing.assert_close(actual, expected, atol=2e-3, rtol=0)  # ggml keeps the KV in float16
+        assert torch.equal(actual.argmax(-1), expected.argmax(-1))
 
 
 def test_logits_are_float32_for_the_last_keep_positions(engine):
@@ -173,3 +197,70 @@ def test_the_session_store_keeps_the_transformers_engine_in_step(tiny_loaded):
     assert set(engine.caches) == set(service.store.sessions) == {"s1", "s2"}
     service.evict_idle()
     assert engine.caches == {} and service.store.sessions == {}
+
+
+def llama_cpp(tiny_gguf, **limits) -> LlamaCppEngine:
+    return load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", limits=Limits(**limits))
+
+
+def test_llama_cpp_a_pass_longer_than_one_decode_call_equals_it_in_pieces(tiny_gguf):
+    """A prefill past BATCH_TOKENS runs as several llama_decode calls, rows split across them."""
+    engine = llama_cpp(tiny_gguf)
+    long = [1000 + index % 5000 for index in range(BATCH_TOKENS + 90)]
+    together = engine.forward([Row("long", long, 3), Row("short", PROMPTS[2], 2)])
+    feed(engine, "pieces", long[:300], keep=0)
+    pieces = feed(engine, "pieces", long[300:], keep=3)
+    torch.testing.assert_close(pieces, together[0], atol=2e-3, rtol=0)  # other splits of 600 positions' sums
+    assert torch.equal(pieces.argmax(-1), together[0].argmax(-1))
+    alone = feed(engine, "alone", PROMPTS[2], keep=2)
+    torch.testing.assert_close(alone, together[1], atol=2e-3, rtol=0)  # ggml's kernels differ by batch size
+    assert torch.equal(alone.argmax(-1), together[1].argmax(-1))
+
+
+def test_llama_cpp_a_full_kv_stream_is_capacity_exceeded_and_changes_nothing(tiny_gguf):
+    """A row whose first llama_decode call fits its session's stream and whose second does not:
+    its first call's KV goes, and so does the KV of the row decoded before it in the same pass."""
+    engine, reference = llama_cpp(tiny_gguf, max_session_tokens=768), llama_cpp(tiny_gguf)
+    assert engine.kv_token_budget() == 768 * engine.description.max_sessions  # allocated at start
+    assert engine.description.max_positions == 768
+    for each in (engine, reference):
+        feed(each, "held", PROMPTS[2] * 10, keep=0)  # 120 tokens
+    with pytest.raises(CapacityExceeded, match="no room"):  # 120 + 512 fit, then 188 more do not
+        engine.forward([Row("other", [4] * 300, 1), Row("held", [5] * 700, 1)])
+    assert set(engine.sequences) == {"held"} and engine.lengths == {"held": 120}
+    assert_same(feed(engine, "held", [7, 8], 2), feed(reference, "held", [7, 8], 2))  # its KV is as it was
+    feed(engine, "held", [9] * 600, keep=0)  # the failed pass's cells are free again: 122 + 600 fit
+
+
+def test_llama_cpp_the_kv_budget_bounds_the_sessions(tiny_gguf):
+    engine = llama_cpp(tiny_gguf, max_cached_tokens=3 * 1024, max_session_tokens=1024, max_sessions=8)
+    assert (engine.description.max_sessions, engine.description.max_positions) == (3, 1024)
+    small = llama_cpp(tiny_gguf, max_cached_tokens=512)  # one session, as long as the budget
+    assert (small.description.max_sessions, small.description.max_positions) == (1, 512)
+
+
+def test_llama_cpp_verify_scores_as_decode_steps(tiny_gguf):
+    """Also after rollbacks and beside other sessions. Bit for bit on the real pair's K-quants
+    (tests/test_real_llama_cpp.py); the tiny float32 GGUF's matmuls take tiled kernels for several
+    rows, close to a float's rounding."""
+    engine = llama_cpp(tiny_gguf)
+    tokens = PROMPTS[2] + [5, 6, 7, 8, 9, 10, 11, 12]
+    steps = [feed(engine, "decode", tokens[:1])] + [feed(engine, "decode", [token]) for token in tokens[1:]]
+    feed(engine, "verify", tokens[:4], keep=0)
+    engine.forward([Row("other", PROMPTS[0], 1), Row("verify", tokens[4:9] + [1, 2], 7)])
+    engine.crop("verify", 9)
+    engine.release("other")
+    scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", PROMPTS[1], 2)])[0]
+    assert_same(scored, torch.cat(steps[9:]))
+
+
+def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_are_reused(tiny_gguf):
+    engine = llama_cpp(tiny_gguf, max_sessions=2)
+    feed(engine, "a", PROMPTS[0])
+    feed(engine, "b", PROMPTS[1])
+    with pytest.raises(CapacityExceeded):
+        feed(engine, "c", PROMPTS[2])
+    engine.release("a")
+    assert_same(feed(engine, "c", PROMPTS[2]), feed(llama_cpp(tiny_gguf), "fresh", PROMPTS[2]))
+    with pytest.raises(ValueError, match="1..256 sessions"):
+        llama_cpp(tiny_gguf, max_sessions=257, max_session_tokens=256, max_cached_tokens=257 * 256)

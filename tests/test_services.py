@@ -1,11 +1,12 @@
-"""Draft and target services in-process on port 0 with tiny models: the consistency contract."""
+"""Draft and target services in-process on port 0 with tiny models: the consistency contract, on
+each engine (conftest.SERVICE_ENGINES: transformers, and llama.cpp over the same weights in a GGUF)."""
 
 import asyncio
 
 import grpc
 import numpy as np
 import pytest
-from conftest import start_services
+from conftest import SERVICE_ENGINES, serve_engines, start_services
 from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
@@ -55,6 +56,15 @@ async def expect_status(code: grpc.StatusCode, call) -> grpc.aio.AioRpcError:
     return caught.value
 
 
+@pytest.fixture(params=SERVICE_ENGINES)
+async def tiny_services(request, tiny_engines):
+    """conftest's tiny_services, once per engine."""
+    engines = tiny_engines(request.param)
+    services = await serve_engines(engines["draft"], engines["target"], Limits(max_sessions=8))
+    yield services
+    await services.close()
+
+
 async def test_health_serving_and_reflection_without_project_stubs(tiny_services):
     for port in (tiny_services.draft_server.port, tiny_services.target_server.port):
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -86,7 +96,7 @@ async def test_info_describes_model_and_limits(tiny_services):
     assert info.role == "target" and draft_info.role == "draft"
     assert info.vocab_size == draft_info.vocab_size == 151_936
     assert info.tokenizer_fingerprint == draft_info.tokenizer_fingerprint
-    assert info.dtype == "float32" and info.max_sessions == 8 and info.eos_token_ids
+    assert info.dtype in ("float32", "gguf") and info.max_sessions == 8 and info.eos_token_ids
 
 
 async def test_verify_accepts_all_some_or_none(tiny_services):

@@ -1,0 +1,199 @@
+"""The Engine (model/engine.py) over llama.cpp, on a GGUF file, through llama-cpp-python's low-level API.
+
+One llama context holds every session: a session is a sequence (a seq id of its own) with a KV
+stream of its own (`kv_unified` off), allocated once for `session_tokens` tokens; crop is
+`llama_memory_seq_rm` from the cut on, release frees the seq id. Logits come back only for the
+positions a row keeps, as float32 on the CPU, where llama.cpp runs.
+
+Exact by construction: speculation must score every position exactly as a plain decode step
+would, or greedy output changes at near-ties (a Q4_K model quantizes each activation row to 8 bits,
+so one rounding apart in a sum can move a logit by 0.5). Measured on the default target (AMD EPYC
+Zen 2, AVX2), against one-token decode steps, K + 1 positions scored in one pass gave bit-identical
+logits only (1) without weight repacking (`use_extra_bufts` off: the repacked kernels take
+another path for 1 row than for several), (2) with each session's KV in a stream of its own (in
+the unified cache a rollback lets a session's next tokens land in cells before its earlier ones,
+and attention sums cells in cell order) and (3) in llama_decode calls of at most 7 tokens (from 8
+rows on ggml takes a tiled K-quant matmul whose sums differ). So the short rows of a pass (decode
+steps, verifies, catch-ups) share calls of 7 tokens, whatever their sessions, and a long row (a
+prefill) runs in calls of 512 of its own: a prompt is prefilled the same way with speculation on
+or off, so only the positions both modes compute alike need the same kernels.
+Not thread-safe: the service's model thread is its only caller.
+"""
+
+import ctypes
+from contextlib import nullcontext
+from pathlib import Path
+
+import llama_cpp as llama
+import numpy as np
+import torch
+from llama_cpp._logger import set_verbose
+from transformers import PreTrainedTokenizerBase
+
+from specd.model.engine import ModelDescription, Row
+from specd.model.errors import CapacityExceeded
+from specd.model.loading import tokenizer_files, tokenizer_fingerprint
+
+MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
+BATCH_TOKENS = 512  # tokens per llama_decode call of a long row (a prefill)
+# Tokens per llama_decode call of a short row (a decode step, a verify, a draft's catch-up): ggml
+# takes its tiled K-quant matmul from 8 rows on (ggml-cpu/tiled: ggml_tiled_min_batch), whose sums
+# differ from the one-row kernel's. Below it, K + 1 positions score exactly as K + 1 decode steps.
+EXACT_CALL_TOKENS = 7
+SHORT_ROW_TOKENS = 64  # rows up to this long run in calls of EXACT_CALL_TOKENS
+
+
+class LlamaCppEngine:
+    def __init__(
+        self,
+        gguf: Path,
+        name: str,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: list[int],
+        threads: int,
+        sessions: int,
+        session_tokens: int,
+    ):
+        if not 1 <= sessions <= MAX_SEQUENCES:
+            raise ValueError(f"the llama.cpp engine holds 1..{MAX_SEQUENCES} sessions, not {sessions}")
+        set_verbose(False)  # llama.cpp logs every load and context on stderr; errors only
+        llama.llama_backend_init()
+        self.tokenizer = tokenizer
+        model_params = llama.llama_model_default_params()
+        model_params.use_extra_bufts = False  # no repacked weights: see the module's docstring
+        self.model = llama.llama_model_load_from_file(str(gguf).encode(), model_params)
+        if not self.model:
+            raise ValueError(f"llama.cpp could not load {gguf}")
+        params = llama.llama_context_default_params()
+        params.n_ctx = sessions * session_tokens
+        params.n_batch = params.n_ubatch = BATCH_TOKENS
+        params.n_seq_max = sessions
+        params.kv_unified = False  # a stream of n_ctx / n_seq_max cells per sequence
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self.context = llama.llama_init_from_model(self.model, params)
+        if not self.context:
+            raise CapacityExceeded(f"llama.cpp could not allocate {sessions} sessions of {session_tokens} tokens")
+        self.memory = llama.llama_get_memory(self.context)
+        self.batch = llama.llama_batch_init(BATCH_TOKENS, 0, 1)
+        self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
+        self.n_ctx = llama.llama_n_ctx(self.context)
+        self.sequences: dict[str, int] = {}  # session id -> its seq id
+        self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
+        self.free = list(range(sessions - 1, -1, -1))
+        self.description = ModelDescription(
+            name=name,
+            vocab_size=self.vocab_size,
+            max_positions=min(llama.llama_model_n_ctx_train(self.model), llama.llama_n_ctx_seq(self.context)),
+            dtype="gguf",
+            device="cpu",
+            eos_token_ids=eos_token_ids,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            quantization=_file_type(self.model),
+            max_sessions=sessions,
+        )
+
+    def __del__(self):
+        if getattr(self, "batch", None) is not None:
+            llama.llama_batch_free(self.batch)
+        if getattr(self, "context", None):
+            llama.llama_free(self.context)
+        if getattr(self, "model", None):
+            llama.llama_model_free(self.model)
+
+    def kv_token_budget(self) -> int:
+        """The context's cells: allocated once, the most the service may cache."""
+        return self.n_ctx
+
+    def forward(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Short rows share llama_decode calls of EXACT_CALL_TOKENS, a long row takes calls of
+        BATCH_TOKENS of its own; on any failure every row is cut back to where it was."""
+        new = [row.session_id for row in rows if row.session_id not in self.sequences]
+        if len(new) > len(self.free):
+            raise CapacityExceeded(f"{len(self.sequences)} sessions in the llama.cpp context, room for no more")
+        for session_id in new:
+            self.sequences[session_id], self.lengths[session_id] = self.free.pop(), 0
+        starts = [self.lengths[row.session_id] for row in rows]
+        out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
+        try:
+            for call in _calls(rows):
+                self._decode(rows, starts, out, call)
+        except BaseException:
+            for row, start in zip(rows, starts):
+                llama.llama_memory_seq_rm(self.memory, self.sequences[row.session_id], start, -1)
+            for session_id in new:
+                self.release(session_id)
+            raise
+        for row, start in zip(rows, starts):
+            self.lengths[row.session_id] = start + len(row.tokens)
+        return [torch.from_numpy(logits) for logits in out]
+
+    def _decode(self, rows: list[Row], starts: list[int], out: list[np.ndarray], call: list[tuple[int, int]]) -> None:
+        """One llama_decode of the (row index, offset in its tokens) positions of `call`."""
+        batch, wanted = self.batch, []
+        for slot, (index, offset) in enumerate(call):
+            row = rows[index]
+            keep = offset - (len(row.tokens) - row.keep_logits)
+            batch.token[slot], batch.pos[slot] = row.tokens[offset], starts[index] + offset
+            batch.n_seq_id[slot], batch.seq_id[slot][0] = 1, self.sequences[row.session_id]
+            batch.logits[slot] = keep >= 0
+            if keep >= 0:
+                wanted.append((slot, index, keep))
+        batch.n_tokens = len(call)
+        status = llama.llama_decode(self.context, batch)
+        if status == 1:
+            raise CapacityExceeded(
+                f"no room for {len(call)} more tokens in the llama.cpp KV streams of this pass's sessions; "
+                "retry with fewer (every session's cache is as it was before the call)"
+            )
+        if status != 0:
+            raise RuntimeError(f"llama_decode failed with status {status} on {len(call)} tokens")
+        for slot, index, keep in wanted:
+            pointer = llama.llama_get_logits_ith(self.context, slot)
+            out[index][keep] = np.ctypeslib.as_array(pointer, shape=(self.vocab_size,))
+
+    def passes(self, session_ids: list[str]):
+        """Sessions keep their own cells between passes: nothing to hold."""
+        return nullcontext()
+
+    def crop(self, session_id: str, length: int) -> None:
+        if self.lengths.get(session_id, 0) > length:
+            llama.llama_memory_seq_rm(self.memory, self.sequences[session_id], length, -1)
+            self.lengths[session_id] = length
+
+    def release(self, session_id: str) -> None:
+        sequence = self.sequences.pop(session_id, None)
+        if sequence is not None:
+            llama.llama_memory_seq_rm(self.memory, sequence, -1, -1)
+            self.free.append(sequence)
+            del self.lengths[session_id]
+
+    def tokenizer_files(self) -> dict[str, bytes]:
+        return tokenizer_files(self.tokenizer)
+
+
+def _calls(rows: list[Row]) -> list[list[tuple[int, int]]]:
+    """The pass's llama_decode calls, as (row index, offset) positions in row order: the short rows'
+    tokens in calls of EXACT_CALL_TOKENS, then each long row in calls of BATCH_TOKENS."""
+    short = [
+        (index, offset)
+        for index, row in enumerate(rows)
+        if len(row.tokens) <= SHORT_ROW_TOKENS
+        for offset in range(len(row.tokens))
+    ]
+    calls = [short[start : start + EXACT_CALL_TOKENS] for start in range(0, len(short), EXACT_CALL_TOKENS)]
+    for index, row in enumerate(rows):
+        if len(row.tokens) > SHORT_ROW_TOKENS:
+            calls += [
+                [(index, offset) for offset in range(start, min(start + BATCH_TOKENS, len(row.tokens)))]
+                for start in range(0, len(row.tokens), BATCH_TOKENS)
+            ]
+    return calls
+
+
+def _file_type(model) -> str:
+    """The GGUF's weight type as llama.cpp describes the model ("qwen2 1.5B Q4_K - Medium" -> "Q4_K - Medium")."""
+    text = ctypes.create_string_buffer(256)
+    llama.llama_model_desc(model, text, len(text))
+    description = text.value.decode(errors="replace")
+    return description.split(" ", 2)[-1] if description.count(" ") >= 2 else description or "gguf"

@@ -1,0 +1,108 @@
+"""The real pair's GGUF files on the llama.cpp engine (model/llama_cpp_engine.py) behind the real
+services and orchestrator: speculation changes speed, never tokens; and a deployment may mix engines
+(a transformers draft, a llama.cpp target) because both describe the same tokenizer.
+
+Slow: the llama.cpp pair loads once per module (1.6 GB of GGUF), beside conftest's float32 pair.
+"""
+
+import asyncio
+
+import pytest
+import torch
+from conftest import serve_engines, stack_over, stop_stack
+from test_real_orchestrator import NEW_TOKENS, PROMPTS  # the same prompts as on the transformers engine
+
+from specd.model.engine import Row
+from specd.model.loading import load_engine
+from specd.model.transformers_engine import TransformersEngine
+from specd.proto.client import complete, make_request
+from specd.proto.limits import Limits
+from specd.v1 import common_pb2
+
+pytestmark = pytest.mark.real
+
+LIMITS = Limits(max_cached_tokens=16 * 2048, max_session_tokens=2048)  # llama.cpp allocates the KV up front
+
+
+def llama_cpp(role: str):
+    return lambda limits: load_engine(role, role, engine="llama.cpp", limits=limits)
+
+
+@pytest.fixture(scope="module")
+async def llama_stack(ray_local):
+    stack = await stack_over(await serve_engines(llama_cpp("draft"), llama_cpp("target"), LIMITS))
+    yield stack
+    await stop_stack(stack)
+
+
+@pytest.fixture(scope="module")
+async def baselines(llama_stack):
+    """Speculation off: the llama.cpp target's own greedy output, per prompt."""
+    return {
+        p: await complete(llama_stack.client, make_request(p, NEW_TOKENS, draft_tokens=0, ignore_eos=True))
+        for p in PROMPTS
+    }
+
+
+async def test_the_services_run_the_gguf_files(llama_stack):
+    for stub in (llama_stack.services.draft, llama_stack.services.target):
+        info = await stub.Info(common_pb2.InfoRequest())
+        assert info.dtype == "gguf" and "Q" in info.quantization and info.device == "cpu"
+        assert info.max_cached_tokens == LIMITS.max_cached_tokens
+    text = (await complete(llama_stack.client, make_request(PROMPTS[0], NEW_TOKENS, ignore_eos=True))).text
+    assert "return" in text or "if" in text, f"not code: {text!r}"
+
+
+async def test_a_verify_scores_bit_for_bit_as_decode_steps(llama_stack):
+    """What makes speculation exact on this engine (model/llama_cpp_engine.py): the target's logits
+    for K + 1 positions at once equal its one-token decode steps', after rollbacks and beside others."""
+    engine = llama_stack.services.target_server.thread.service.engine
+    tokens = engine.tokenizer("def quicksort(items):\n    if len(items) <= 1:\n        return items").input_ids
+    steps = [engine.forward([Row("decode", tokens[:1], 1)])[0]]
+    steps += [engine.forward([Row("decode", [token], 1)])[0] for token in tokens[1:]]
+    engine.forward([Row("verify", tokens[:4], 0)])
+    engine.forward([Row("other", tokens[:7], 1), Row("verify", tokens[4:9] + [11, 12], 7)])
+    engine.crop("verify", 9)
+    engine.release("other")
+    scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", tokens[:3], 2)])[0]
+    for session_id in ("decode", "verify", "third"):
+        engine.release(session_id)
+    assert torch.equal(scored, torch.cat(steps[9:]))
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, None])  # None: K chosen every step
+async def test_greedy_speculative_output_equals_speculation_off(llama_stack, baselines, k):
+    drafted = 0
+    for prompt in PROMPTS:
+        result = await complete(llama_stack.client, make_request(prompt, NEW_TOKENS, draft_tokens=k, ignore_eos=True))
+        assert result.token_ids == baselines[prompt].token_ids, (prompt, k)
+        drafted += result.final.stats.drafted
+        if k is not None:
+            assert result.final.stats.accepted > 0 and result.final.stats.steps < NEW_TOKENS  # the draft helped
+    assert k is None or drafted > 0
+
+
+async def test_concurrent_requests_stay_exact(llama_stack, baselines):
+    results = await asyncio.gather(
+        *(complete(llama_stack.client, make_request(p, NEW_TOKENS, draft_tokens=4, ignore_eos=True)) for p in PROMPTS)
+    )
+    for prompt, result in zip(PROMPTS, results):
+        assert result.token_ids == baselines[prompt].token_ids, prompt
+    assert await llama_stack.live_sessions() == (0, 0)
+
+
+async def test_a_transformers_draft_serves_a_llama_cpp_target(real_float32, ray_local, baselines):
+    """One pair, two engines: the tokenizer check passes, and the output is the llama.cpp target's."""
+    draft = lambda limits: TransformersEngine(real_float32["draft"])  # noqa: E731
+    stack = await stack_over(await serve_engines(draft, llama_cpp("target"), LIMITS))
+    try:
+        draft_info = await stack.services.draft.Info(common_pb2.InfoRequest())
+        target_info = await stack.services.target.Info(common_pb2.InfoRequest())
+        assert (draft_info.dtype, target_info.dtype) == ("float32", "gguf")
+        assert draft_info.tokenizer_fingerprint == target_info.tokenizer_fingerprint
+        for prompt in PROMPTS:
+            result = await complete(stack.client, make_request(prompt, NEW_TOKENS, draft_tokens=3, ignore_eos=True))
+            assert result.token_ids == baselines[prompt].token_ids, prompt
+            assert result.final.stats.accepted > 0
+    finally:
+        await stop_stack(stack)
