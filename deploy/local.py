@@ -7,6 +7,7 @@ reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends. `sh
 
 import asyncio
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -239,7 +240,23 @@ def share_cores(cores: int, on_cpu: Iterable[str] = ("draft", "target")) -> dict
     return threads
 
 
+# Ports a stack picks ahead of binding them come from here: below Linux's ephemeral range (32768 on,
+# where every outgoing connection and every port-0 bind takes its local port) and above Ray's
+# worker ports (10002-19999), so that between the pick and the bind no other process takes it
+# (the network lab's actors failed with EADDRINUSE on ports picked with port 0).
+PICKED_PORTS = range(20_000, 32_768)
+
+
 def free_port() -> int:
+    """A port free now on every interface, from PICKED_PORTS (the OS's own pick if none is found)."""
+    for _ in range(200):
+        port = random.choice(PICKED_PORTS)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]

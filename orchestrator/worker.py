@@ -83,6 +83,9 @@ class GenerationWorker:
 RemoteWorker = ray.remote(GenerationWorker)
 
 
+RESTART_WAIT_S = 30.0  # how long a request that no actor could start waits for one to restart
+
+
 class WorkerPool:
     """N Ray actors; each request goes to the one with the fewest requests in flight."""
 
@@ -123,6 +126,7 @@ class WorkerPool:
             return
         request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
         tried: set[int] = set()
+        waited = False
         while True:
             index = self._least_busy(tried)
             tried.add(index)
@@ -137,6 +141,13 @@ class WorkerPool:
                 return
             except RayActorError as error:
                 await self._release(request.session_id)
+                if not started and len(tried) == len(self.actors) and not waited:
+                    # Nothing sent and every actor down (one worker, or all restarting): wait for the
+                    # first to come back, once, rather than fail a request that can still be served.
+                    waited = True
+                    if (back := await self._first_back(RESTART_WAIT_S)) is not None:
+                        tried.discard(back)
+                        continue
                 if started or len(tried) == len(self.actors):
                     yield Failed(
                         "UNAVAILABLE",
@@ -147,6 +158,27 @@ class WorkerPool:
                     )
                     return
                 # Nothing was sent yet (the actor is still restarting): another actor serves it.
+
+    async def _first_back(self, timeout_s: float) -> int | None:
+        """The index of the first actor that answers `ready` within timeout_s, else None."""
+        pending = [asyncio.ensure_future(self._ready(index)) for index in range(len(self.actors))]
+        try:
+            for done in asyncio.as_completed(pending, timeout=timeout_s):
+                return await done
+        except TimeoutError:
+            return None
+        finally:
+            for future in pending:
+                future.cancel()
+
+    async def _ready(self, index: int) -> int:
+        """Ask until the actor answers (a restarting actor refuses calls for a while)."""
+        while True:
+            try:
+                await self.actors[index].ready.remote()
+                return index
+            except RayActorError:
+                await asyncio.sleep(0.25)
 
     def _least_busy(self, skip: set[int]) -> int:
         count, first = len(self.actors), next(self._turns)

@@ -1,0 +1,240 @@
+"""specd on its llama.cpp engine beside llama.cpp's own server, on the same GGUF files (issue 22).
+
+Four systems, batch 1, greedy, every one producing exactly --max-new-tokens tokens (EOS ignored):
+
+- `llama_target`  llama-server on the target GGUF;
+- `llama_spec`    llama-server on the target with the draft GGUF as its own draft (`-md`, its defaults);
+- `specd_target`  `specd up --engine llama.cpp --draft-engine llama.cpp`, speculation off (K = 0);
+- `specd_spec`    the same stack, K chosen every step (the default).
+
+Each request is timed on the client from sending it to its last token (llama-server's /completion
+without streaming, specd's Generate stream over gRPC), runs are interleaved per prompt, and every
+system is warmed up once. Both servers get the same threads (the machine's cores; specd's
+`specd up` shares them between its draft and target as it does by default) and the same prompt
+token ids. Writes a JSON report and a bar plot.
+
+    .venv/bin/python scripts/bench_llama_cpp.py --llama-server PATH [--prompts bench/prompts.jsonl]
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from specd.bench.systems import SpecdSystems, load_prompts
+from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
+from specd.model.store import find_spec, gguf_path
+from specd.proto.client import channel
+from specd.v1 import specdecode_pb2_grpc
+
+SYSTEMS = ("llama_target", "llama_spec", "specd_target", "specd_spec")
+WARMUP = "def add(a, b):\n"
+
+
+class LlamaServer:
+    def __init__(self, binary: str, threads: int, draft: bool, log_dir: Path):
+        self.port = free_port()
+        command = [binary, "-m", str(gguf_path(find_spec("target"))), "--port", str(self.port), "-t", str(threads)]
+        command += ["-c", "4096", "-np", "1", "--no-webui"]
+        if draft:
+            command += ["-md", str(gguf_path(find_spec("draft"))), "-td", str(threads)]
+        self.log = log_dir / f"llama-server{'-md' if draft else ''}.log"
+        self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        self.command = command
+
+    def wait(self, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited: {self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        raise TimeoutError("llama-server did not become healthy")
+
+    def run(self, prompt_ids: list[int], tokens: int) -> dict:
+        body = {
+            "prompt": prompt_ids,
+            "n_predict": tokens,
+            "ignore_eos": True,
+            "temperature": 0.0,
+            "top_k": 1,
+            "cache_prompt": False,
+            "return_tokens": True,
+        }
+        started = time.perf_counter()
+        reply = httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600).json()
+        seconds = time.perf_counter() - started
+        timings = reply.get("timings", {})
+        return {
+            "token_ids": reply.get("tokens", []),
+            "seconds": seconds,
+            "draft_n": timings.get("draft_n"),
+            "draft_n_accepted": timings.get("draft_n_accepted"),
+        }
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+
+
+async def main(args) -> dict:
+    prompts, kinds = load_prompts(args.prompts)
+    prompts = prompts[: args.limit] if args.limit else prompts
+    threads = usable_cores()
+    log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-"))
+    shared = share_cores(threads)  # as `specd up` shares this machine's cores (README `specd up`)
+    stack = LocalStack(
+        StackConfig(
+            draft_engine="llama.cpp",
+            target_engine="llama.cpp",
+            workers=1,
+            draft_threads=shared["draft"],
+            target_threads=shared["target"],
+            service_env=SHARED_CORES_ENV,
+        )
+    )
+    servers = {
+        "llama_target": LlamaServer(args.llama_server, threads, False, log_dir),
+        "llama_spec": LlamaServer(args.llama_server, threads, True, log_dir),
+    }
+    runs = {system: [] for system in SYSTEMS}
+    try:
+        await stack.start()
+        for server in servers.values():
+            server.wait()
+        from transformers import AutoTokenizer
+
+        from specd.model.store import resolve_model
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_model("target"))
+        encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
+        async with channel(stack.address) as open_channel:
+            specd = SpecdSystems(specdecode_pb2_grpc.SpecDecodeStub(open_channel), 600)
+
+            async def one(system: str, ids: list[int], tokens: int) -> dict:
+                if system in servers:
+                    return await asyncio.to_thread(servers[system].run, ids, tokens)
+                run = await specd.run(ids, tokens, 0 if system == "specd_target" else None)
+                return {"token_ids": run.token_ids, "seconds": run.seconds, "stats": run.stats}
+
+            for system in SYSTEMS:
+                await one(system, encode(WARMUP), 8)
+            for index, prompt in enumerate(prompts):
+                ids = encode(prompt)
+                for system in SYSTEMS:  # interleaved: A B C D on each prompt
+                    run = await one(system, ids, args.max_new_tokens)
+                    runs[system].append(run)
+                    rate = len(run["token_ids"]) / run["seconds"]
+                    print(f"prompt {index + 1}/{len(prompts)} {system:<13} {rate:6.2f} tok/s", flush=True)
+    finally:
+        stack.stop()
+        for server in servers.values():
+            server.stop()
+    return report(args, prompts, kinds, runs, servers, threads)
+
+
+def report(args, prompts, kinds, runs, servers, threads) -> dict:
+    rates = {s: [len(r["token_ids"]) / r["seconds"] for r in runs[s]] for s in SYSTEMS}
+    medians = {s: statistics.median(rates[s]) for s in SYSTEMS}
+    reference = runs["specd_target"]
+    same = {s: sum(a["token_ids"] == b["token_ids"] for a, b in zip(runs[s], reference)) for s in SYSTEMS}
+    stats = [r["stats"] for r in runs["specd_spec"]]
+    drafted = sum(int(s.get("drafted", 0)) for s in stats)
+    accepted = sum(int(s.get("accepted", 0)) for s in stats)
+    lscpu = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    model = next((line.split(":", 1)[1].strip() for line in lscpu.splitlines() if line.startswith("Model name")), "")
+    flags = next((line for line in lscpu.splitlines() if line.startswith("Flags")), "")
+    return {
+        "systems": SYSTEMS,
+        "prompts": len(prompts),
+        "prompts_file": str(args.prompts),
+        "max_new_tokens": args.max_new_tokens,
+        "median_tokens_per_s": {s: round(v, 2) for s, v in medians.items()},
+        "ratios": {
+            "specd_target / llama_target": round(medians["specd_target"] / medians["llama_target"], 3),
+            "specd_spec / llama_spec": round(medians["specd_spec"] / medians["llama_spec"], 3),
+            "specd_spec / llama_target": round(medians["specd_spec"] / medians["llama_target"], 3),
+            "llama_spec / llama_target": round(medians["llama_spec"] / medians["llama_target"], 3),
+        },
+        "same_tokens_as_specd_target": same,
+        "specd_spec": {
+            "drafted": drafted,
+            "accepted": accepted,
+            "steps": sum(int(s.get("steps", 0)) for s in stats),
+            "drafting_steps": sum(int(s.get("drafting_steps", 0)) for s in stats),
+        },
+        "llama_spec": {
+            "drafted": sum(r.get("draft_n") or 0 for r in runs["llama_spec"]),
+            "accepted": sum(r.get("draft_n_accepted") or 0 for r in runs["llama_spec"]),
+        },
+        "per_prompt_tokens_per_s": {s: [round(v, 2) for v in rates[s]] for s in SYSTEMS},
+        "kinds": kinds[: len(prompts)],
+        "llama_server": {name: server.command for name, server in servers.items()},
+        "machine": {
+            "cpu": model,
+            "cores": threads,
+            "avx512": "avx512f" in flags,
+            "avx512_bf16": "avx512_bf16" in flags,
+            "python": platform.python_version(),
+            "load_average": os.getloadavg(),
+        },
+    }
+
+
+def plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    medians = report["median_tokens_per_s"]
+    figure, axis = plt.subplots(figsize=(7, 3.6))
+    colors = ["#999999", "#666666", "#7fb3d5", "#1f618d"]
+    bars = axis.bar(list(medians), list(medians.values()), color=colors)
+    axis.bar_label(bars, fmt="%.1f")
+    axis.set_ylabel("tokens/s (median over prompts)")
+    machine = report["machine"]
+    axis.set_title(
+        f"{report['prompts']} prompts, {report['max_new_tokens']} tokens, greedy, batch 1 — "
+        f"{machine['cpu']}, {machine['cores']} cores",
+        fontsize=9,
+    )
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", required=True, help="the llama-server binary")
+    parser.add_argument("--prompts", type=Path, default=Path("bench/prompts.jsonl"))
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--limit", type=int, default=0, help="only the first N prompts")
+    parser.add_argument("--json", type=Path, default=Path("docs/results/llama_cpp_engine.json"))
+    parser.add_argument("--plot", type=Path, default=Path("docs/results/llama_cpp_engine.png"))
+    arguments = parser.parse_args()
+    result = asyncio.run(main(arguments))
+    arguments.json.write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, arguments.plot)
+    print(
+        json.dumps(
+            {
+                key: result[key]
+                for key in ("median_tokens_per_s", "ratios", "same_tokens_as_specd_target", "specd_spec", "llama_spec")
+            },
+            indent=2,
+        )
+    )
+    sys.exit(0)
