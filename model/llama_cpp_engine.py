@@ -13,10 +13,11 @@ logits only (1) without weight repacking (`use_extra_bufts` off: the repacked ke
 another path for 1 row than for several), (2) with each session's KV in a stream of its own (in
 the unified cache a rollback lets a session's next tokens land in cells before its earlier ones,
 and attention sums cells in cell order) and (3) in llama_decode calls of at most 7 tokens (from 8
-rows on ggml takes a tiled K-quant matmul whose sums differ). So the short rows of a pass (decode
-steps, verifies, catch-ups) share calls of 7 tokens, whatever their sessions, and a long row (a
-prefill) runs in calls of 512 of its own: a prompt is prefilled the same way with speculation on
-or off, so only the positions both modes compute alike need the same kernels.
+rows on ggml takes a tiled K-quant matmul whose sums differ). So the positions a pass keeps
+logits for (a decode step's one, a verify's K + 1) share calls of 7 tokens, whatever their
+sessions, and the tokens before them in a row (a prompt, a catch-up) run first, in calls of 512 of
+their own: a prompt is prefilled by the same calls with speculation on or off, and every position
+after it is scored by the one-row kernels in both.
 Not thread-safe: the service's model thread is its only caller.
 """
 
@@ -35,12 +36,11 @@ from specd.model.errors import CapacityExceeded
 from specd.model.loading import tokenizer_files, tokenizer_fingerprint
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
-BATCH_TOKENS = 512  # tokens per llama_decode call of a long row (a prefill)
-# Tokens per llama_decode call of a short row (a decode step, a verify, a draft's catch-up): ggml
-# takes its tiled K-quant matmul from 8 rows on (ggml-cpu/tiled: ggml_tiled_min_batch), whose sums
-# differ from the one-row kernel's. Below it, K + 1 positions score exactly as K + 1 decode steps.
+BATCH_TOKENS = 512  # tokens per llama_decode call of a row's tokens before those it keeps logits for
+# Tokens per llama_decode call of the positions rows keep logits for (a decode step, a verify's
+# K + 1): ggml takes its tiled K-quant matmul from 8 rows on (ggml-cpu/tiled: ggml_tiled_min_batch),
+# whose sums differ from the one-row kernel's. Below it, K + 1 positions score as K + 1 decode steps.
 EXACT_CALL_TOKENS = 7
-SHORT_ROW_TOKENS = 64  # rows up to this long run in calls of EXACT_CALL_TOKENS
 
 
 class LlamaCppEngine:
@@ -106,8 +106,8 @@ class LlamaCppEngine:
         return self.n_ctx
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """Short rows share llama_decode calls of EXACT_CALL_TOKENS, a long row takes calls of
-        BATCH_TOKENS of its own; on any failure every row is cut back to where it was."""
+        """llama_decode calls as `_calls` lays them out; on any failure every row is cut back to
+        where it was."""
         new = [row.session_id for row in rows if row.session_id not in self.sequences]
         if len(new) > len(self.free):
             raise CapacityExceeded(f"{len(self.sequences)} sessions in the llama.cpp context, room for no more")
@@ -173,22 +173,22 @@ class LlamaCppEngine:
 
 
 def _calls(rows: list[Row]) -> list[list[tuple[int, int]]]:
-    """The pass's llama_decode calls, as (row index, offset) positions in row order: the short rows'
-    tokens in calls of EXACT_CALL_TOKENS, then each long row in calls of BATCH_TOKENS."""
-    short = [
+    """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
+    before the ones it keeps logits for (a prefill, a catch-up) in calls of BATCH_TOKENS of its own,
+    then the kept positions of every row together in calls of EXACT_CALL_TOKENS."""
+    calls = []
+    for index, row in enumerate(rows):
+        head = len(row.tokens) - row.keep_logits
+        calls += [
+            [(index, offset) for offset in range(start, min(start + BATCH_TOKENS, head))]
+            for start in range(0, head, BATCH_TOKENS)
+        ]
+    kept = [
         (index, offset)
         for index, row in enumerate(rows)
-        if len(row.tokens) <= SHORT_ROW_TOKENS
-        for offset in range(len(row.tokens))
+        for offset in range(len(row.tokens) - row.keep_logits, len(row.tokens))
     ]
-    calls = [short[start : start + EXACT_CALL_TOKENS] for start in range(0, len(short), EXACT_CALL_TOKENS)]
-    for index, row in enumerate(rows):
-        if len(row.tokens) > SHORT_ROW_TOKENS:
-            calls += [
-                [(index, offset) for offset in range(start, min(start + BATCH_TOKENS, len(row.tokens)))]
-                for start in range(0, len(row.tokens), BATCH_TOKENS)
-            ]
-    return calls
+    return calls + [kept[start : start + EXACT_CALL_TOKENS] for start in range(0, len(kept), EXACT_CALL_TOKENS)]
 
 
 def _file_type(model) -> str:

@@ -42,6 +42,14 @@ and the costs, so one bad stretch never switches speculation off for good. A pro
 first catch the draft up on more than PROBE_MAX_BEHIND tokens (after a long prompt) is skipped:
 counted in tokens, since a catch-up's measured seconds are noise on small models; speculation
 then returns only when the chooser itself says the catch-up pays.
+
+Probes are paid from a budget the worker keeps over all its requests: each target-only step adds
+PROBE_BUDGET of its time, and a probe spends what it is expected to cost beyond a decode (the
+draft's catch-up, its guess, the longer verify). Where speculation does not pay for good (a CPU
+whose verify costs several decode steps), a stream of short requests then probes a few percent of
+the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
+probes alone (3 per 64-token request, each first catching the draft up on its prompt) made
+speculation 19 % slower than off (scripts/bench_llama_cpp.py).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ ON_MARGIN = 1.1  # from off, speculation must promise this much more than target
 FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
 PROBE_MAX_BEHIND = 64  # a probe that would first catch the draft up on more tokens is skipped
+PROBE_BUDGET = 0.03  # the share of its target-only time a worker may spend on probes
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 
 
@@ -137,6 +146,16 @@ class ServiceCosts:
     draft_catchup: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # seconds per token the draft catches up on
     draft_floor: float | None = None  # the cheapest guess lately: the draft with the cores to itself
     explorer: weakref.ref | None = None  # the request taking a fresh worker's first measurements under load
+    probe_budget: float = 0.0  # seconds of probing the worker's target-only steps have paid for
+
+    def spend_on_probe(self, behind: int, k: int) -> bool:
+        """Whether the budget holds a probe of K after `behind` tokens of catch-up; if so, spend it."""
+        cost = self.catchup_seconds(behind) + k * (self.draft_seconds() or 0.0)
+        cost += max(0.0, (self.verify_seconds(k) or 0.0) - (self.verify_seconds(0) or 0.0))
+        if cost > self.probe_budget:
+            return False
+        self.probe_budget -= cost
+        return True
 
     def record_target_pass(self, served: PassCost) -> None:
         """B is the streams at the target (the sessions it holds or has calls queued for), not only
@@ -266,12 +285,16 @@ class AdaptiveK:
         ):
             return 0  # off for the load alone: the passes' fit turns it back on as B falls, no probe needed
         self.off_steps += 1
+        self.costs.probe_budget += PROBE_BUDGET * (self.costs.verify_seconds(0) or 0.0)
         if self.off_steps < self.probe_every:
             return 0
-        self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
         if behind > PROBE_MAX_BEHIND:  # the probe's catch-up would be a prefill beside the busy target
             return 0
-        return self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
+        k = self._best(max_k, behind, tokens_left, min_k=1)  # the probe: the best K if speculating at all
+        if not self.costs.spend_on_probe(behind, k):
+            return 0  # not yet paid for: the next step asks again
+        self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
+        return k
 
     def observe(self, k: int, accepted: int) -> None:
         """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""

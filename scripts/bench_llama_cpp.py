@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
+import requests
 
 from specd.bench.systems import SpecdSystems, load_prompts
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
@@ -48,7 +48,8 @@ class LlamaServer:
         if draft:
             command += ["-md", str(gguf_path(find_spec("draft"))), "-td", str(threads)]
         self.log = log_dir / f"llama-server{'-md' if draft else ''}.log"
-        self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}  # its own libllama beside it
+        self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         self.command = command
 
     def wait(self, timeout: float = 300) -> None:
@@ -57,9 +58,9 @@ class LlamaServer:
             if self.process.poll() is not None:
                 raise RuntimeError(f"llama-server exited: {self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
                     return
-            except httpx.HTTPError:
+            except requests.RequestException:
                 pass
             time.sleep(1)
         raise TimeoutError("llama-server did not become healthy")
@@ -75,7 +76,7 @@ class LlamaServer:
             "return_tokens": True,
         }
         started = time.perf_counter()
-        reply = httpx.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600).json()
+        reply = requests.post(f"http://127.0.0.1:{self.port}/completion", json=body, timeout=600).json()
         seconds = time.perf_counter() - started
         timings = reply.get("timings", {})
         return {

@@ -13,6 +13,7 @@ import pytest
 
 from specd.orchestrator.adaptive import (
     ON_MARGIN,
+    PROBE_BUDGET,
     PROBE_MAX_STEPS,
     PROBE_MIN_STEPS,
     SHARED_LOAD,
@@ -27,8 +28,11 @@ from specd.orchestrator.adaptive import (
 )
 
 
-def measured_costs(t_draft: float, verify: dict[int, float], rtt: float = 0.0, alpha: float = 0.7) -> ServiceCosts:
-    costs = ServiceCosts()
+def measured_costs(
+    t_draft: float, verify: dict[int, float], rtt: float = 0.0, alpha: float = 0.7, probe_budget: float = float("inf")
+) -> ServiceCosts:
+    """`probe_budget`: by default a worker whose probes are paid for (the schedule is what these test)."""
+    costs = ServiceCosts(probe_budget=probe_budget)
     for k, seconds in verify.items():
         costs.record_verify(k, seconds, rtt)
     costs.record_draft(4, 4 * t_draft, rtt)
@@ -306,3 +310,18 @@ def test_a_stream_alone_that_the_margin_keeps_off_still_probes():
     chooser.alpha = Ewma(0.0, 0.3)  # now K = 1 gains 1.05x: under the margin, so it stays off...
     assert chooser._best(8) == 1 and chooser.next_k(100) == 0
     assert any(chooser.next_k(100) for _ in range(PROBE_MIN_STEPS))  # ...but probes, as off always does
+
+
+def test_probes_are_paid_from_the_workers_budget_across_its_requests():
+    """Each off step adds PROBE_BUDGET of a decode; a probe spends its catch-up, guesses and longer
+    verify. Requests that start while the budget is spent do not probe at all."""
+    costs = measured_costs(0.15, {0: 1.0, 1: 2.0, 8: 6.0}, alpha=0.3, probe_budget=0.0)  # off: verify costly, α low
+    probe_cost = costs.catchup_seconds(20) + 1 * 0.15 + (costs.verify_seconds(1) - 1.0)
+    steps = []
+    for _ in range(40):  # 40 short requests, each 20 tokens behind the draft
+        chooser = AdaptiveK(costs, max_k=8)
+        steps += [chooser.next_k(100, behind=20) for _ in range(16)]
+    probes = sum(k > 0 for k in steps)
+    assert 1 <= probes <= 640 * PROBE_BUDGET / probe_cost + 1  # what the off steps paid for, no more
+    assert probes < 40  # per-request probing would have probed in every request, at its step 4
+    assert 0 <= costs.probe_budget < probe_cost + PROBE_BUDGET * 16
