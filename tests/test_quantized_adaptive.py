@@ -27,12 +27,18 @@ async def expect_exact_and_adaptive(stack, max_new_tokens: int = 24) -> list:
     return finals
 
 
-async def test_adaptive_k_equals_speculation_off_and_drafts(tiny_stack):
-    finals = await expect_exact_and_adaptive(tiny_stack)
-    lengths = [k for final in finals for k in final.stats.draft_lengths]
-    assert any(k > 0 for k in lengths)  # a tiny target verifies K tokens at the price of one: it speculates
-    info = await tiny_stack.client.Info(common_pb2.InfoRequest())
-    assert info.adaptive_draft_tokens and info.max_draft_tokens == 8
+async def test_adaptive_k_equals_speculation_off_and_drafts(tiny_loaded, ray_local):
+    """On a stack of its own: the shared one's workers carry costs and a spent probe budget from
+    earlier tests (orchestrator/adaptive.py: probes are paid from a budget a worker keeps)."""
+    stack = await start_stack(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=8))
+    try:
+        finals = await expect_exact_and_adaptive(stack)
+        lengths = [k for final in finals for k in final.stats.draft_lengths]
+        assert any(k > 0 for k in lengths)  # a tiny target verifies K tokens at the price of one: it speculates
+        info = await stack.client.Info(common_pb2.InfoRequest())
+        assert info.adaptive_draft_tokens and info.max_draft_tokens == 8
+    finally:
+        await stop_stack(stack)
 
 
 async def test_a_fixed_k_overrides_the_chooser(tiny_stack):
