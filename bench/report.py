@@ -12,8 +12,11 @@ stats; c = median over prompts of specd_spec's draft seconds per drafted token /
 specd_target's seconds per decode step (both include their gRPC round trip); the analytic
 best speed-up = max over K = 1..8 of (1 - α^(K+1)) / ((1 - α)(K·c + 1)); the achievable best
 uses the measured Verify time of each K instead of one step; greedy_match = both specd outputs
-equal hf_target's token ids on every prompt. Per prompt the report also has the K of every
-step (adaptive K over time; 0 = target-only), α and c, and the per-prompt ratios whose
+equal hf_target's token ids on every prompt (`hf_assisted_match`, `hf_lookup_match`: the same for
+each HF peer). `specd_spec/hf_best` compares specd_spec with the faster HF speculative peer,
+hf_assisted or hf_lookup: over all tokens the faster of the two totals, per prompt (and so in
+`median_ratios`) the faster of the two on that prompt. Per prompt the report also has the K of
+every step (adaptive K over time; 0 = target-only), α and c, and the per-prompt ratios whose
 medians are `median_ratios`.
 """
 
@@ -26,15 +29,32 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from specd.bench.systems import BenchSettings, Run
 
-SYSTEMS = ("hf_target", "hf_assisted", "specd_target", "specd_spec")
+SYSTEMS = ("hf_target", "hf_assisted", "hf_lookup", "specd_target", "specd_spec")
+HF_SPECULATIVE = ("hf_assisted", "hf_lookup")  # the HF peers that speculate: hf_best is the faster of them
+COLORS = {
+    "hf_target": "#888888",
+    "hf_assisted": "#bbbbbb",
+    "hf_lookup": "#8fbc8f",
+    "specd_target": "#4c72b0",
+    "specd_spec": "#dd8452",
+}
 LABELS = {
     "hf_target": "HF target only",
     "hf_assisted": "HF assisted (assistant_model)",
+    "hf_lookup": "HF prompt lookup (prompt_lookup_num_tokens)",
     "specd_target": "specd, K = 0 (target only)",
     "specd_spec": "specd speculative",
 }
 ANALYTIC_MAX_K = 8
-PROMPT_RATIOS = ("specd_spec/hf_assisted", "specd_spec/specd_target", "specd_spec/hf_target", "hf_assisted/hf_target")
+PROMPT_RATIOS = (
+    "specd_spec/hf_assisted",
+    "specd_spec/specd_target",
+    "specd_spec/hf_target",
+    "hf_assisted/hf_target",
+    "specd_spec/hf_lookup",
+    "specd_spec/hf_best",
+    "hf_lookup/hf_target",
+)
 
 
 # ---------------------------------------------------------------- maths
@@ -107,6 +127,16 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _best(speeds: list[float | None]) -> float | None:
+    """The fastest of the known speeds (None when none is known)."""
+    known = [speed for speed in speeds if speed is not None]
+    return max(known) if known else None
+
+
+def _speed(run: Run) -> float | None:
+    return run.tokens / run.seconds if run.seconds else None
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -124,19 +154,25 @@ def build_report(
         seconds = sum(run.seconds for run in runs[system])
         results[system] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
     speed = {system: results[system]["tokens_per_s"] for system in SYSTEMS}
+    speed["hf_best"] = _best([speed[system] for system in HF_SPECULATIVE])
     ratios = {
         "specd_spec/hf_assisted": _ratio(speed["specd_spec"], speed["hf_assisted"]),
         "specd_spec/hf_target": _ratio(speed["specd_spec"], speed["hf_target"]),
         "specd_spec/specd_target": _ratio(speed["specd_spec"], speed["specd_target"]),
         "hf_assisted/hf_target": _ratio(speed["hf_assisted"], speed["hf_target"]),
         "specd_target/hf_target": _ratio(speed["specd_target"], speed["hf_target"]),
+        "specd_spec/hf_lookup": _ratio(speed["specd_spec"], speed["hf_lookup"]),
+        "specd_spec/hf_best": _ratio(speed["specd_spec"], speed["hf_best"]),
+        "hf_lookup/hf_target": _ratio(speed["hf_lookup"], speed["hf_target"]),
     }
     spec_stats = [run.stats for run in runs["specd_spec"]]
     drafted = sum(s["drafted"] for s in spec_stats)
     accepted = sum(s["accepted"] for s in spec_stats)
     steps = sum(s["steps"] for s in spec_stats)
     alpha = accepted / drafted if drafted else None
-    draft_per_token = [s["draft_seconds"] / s["drafted"] for s in spec_stats if s["drafted"]]
+    # the draft model's time per guess: the prompt lookup's guesses (lookup_drafted) took none
+    model_drafted = [s["drafted"] - s.get("lookup_drafted", 0) for s in spec_stats]
+    draft_per_token = [s["draft_seconds"] / n for s, n in zip(spec_stats, model_drafted) if n]
     target_step = [s["verify_seconds"] / s["steps"] for s in (run.stats for run in runs["specd_target"]) if s["steps"]]
     median_draft, median_target = _median(draft_per_token), _median(target_step)
     c = _ratio(median_draft, median_target)
@@ -169,11 +205,13 @@ def build_report(
         "median_draft_seconds_per_token": median_draft,
         "median_target_step_seconds": median_target,
         "acceptance_by_position": _acceptance_by_position(spec_stats),
+        "by_source": by_source(spec_stats),
         "greedy_match": all(
             entry["matches_hf_target"]["specd_target"] and entry["matches_hf_target"]["specd_spec"]
             for entry in per_prompt
         ),
         "hf_assisted_match": all(entry["matches_hf_target"]["hf_assisted"] for entry in per_prompt),
+        "hf_lookup_match": all(entry["matches_hf_target"]["hf_lookup"] for entry in per_prompt),
         "per_prompt": per_prompt,
         "settings": {
             "prompts": len(settings.prompts),
@@ -181,6 +219,8 @@ def build_report(
             "quick": settings.quick,
             "max_new_tokens": settings.max_new_tokens,
             "draft_tokens": settings.draft_tokens,
+            "drafter": settings.drafter or "server default",
+            "lookup_tokens": settings.lookup_tokens,  # hf_lookup's prompt_lookup_num_tokens
             "dtype": settings.dtype,
             "device": settings.device,
             "draft_device": settings.draft_device,
@@ -201,24 +241,22 @@ def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]
     reference = runs["hf_target"][index].token_ids
     spec = runs["specd_spec"][index].stats
     off = runs["specd_target"][index].stats
+    speed = {s: _speed(runs[s][index]) for s in SYSTEMS}
+    speed["hf_best"] = _best([speed[s] for s in HF_SPECULATIVE])
     entry = {
         "index": index,
         "kind": settings.kinds[index] if index < len(settings.kinds) else "",
         "prompt": settings.prompts[index],
         "prompt_tokens": len(prompt_ids),
-        "tokens_per_s": {
-            s: runs[s][index].tokens / runs[s][index].seconds if runs[s][index].seconds else None for s in SYSTEMS
-        },
+        "tokens_per_s": {s: speed[s] for s in SYSTEMS},
         "seconds": {s: runs[s][index].seconds for s in SYSTEMS},
         "tokens": {s: runs[s][index].tokens for s in SYSTEMS},
         "matches_hf_target": {s: runs[s][index].token_ids == reference for s in SYSTEMS if s != "hf_target"},
         "first_difference": {
             s: first_difference(runs[s][index].token_ids, reference) for s in SYSTEMS if s != "hf_target"
         },
-        "ratios": {
-            name: _ratio(*(runs[s][index].tokens / runs[s][index].seconds for s in name.split("/")))
-            for name in PROMPT_RATIOS
-        },
+        "ratios": {name: _ratio(*(speed[s] for s in name.split("/"))) for name in PROMPT_RATIOS},
+        "hf_best": max(HF_SPECULATIVE, key=lambda s: -1.0 if speed[s] is None else speed[s]),  # the faster HF peer
         "alpha": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
         "c": _ratio(_ratio(spec["draft_seconds"], spec["drafted"]), _ratio(off["verify_seconds"], off["steps"])),
         "mean_accepted_length": 1 + spec["accepted"] / spec["steps"] if spec["steps"] else None,
@@ -241,6 +279,26 @@ def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]
     return entry
 
 
+def by_source(spec_stats: list[dict]) -> dict:
+    """specd_spec's drafting steps by who guessed (the prompt lookup, the draft model): steps,
+    guesses, accepted, α and tokens per step (accepted + the target's own)."""
+    lookup = {name: sum(s.get(f"lookup_{name}", 0) for s in spec_stats) for name in ("steps", "drafted", "accepted")}
+    total = {
+        "steps": sum(s.get("drafting_steps", 0) for s in spec_stats),
+        "drafted": sum(s["drafted"] for s in spec_stats),
+        "accepted": sum(s["accepted"] for s in spec_stats),
+    }
+    model = {name: total[name] - lookup[name] for name in total}
+    return {
+        source: {
+            **counts,
+            "alpha": _ratio(counts["accepted"], counts["drafted"]),
+            "tokens_per_step": 1 + counts["accepted"] / counts["steps"] if counts["steps"] else None,
+        }
+        for source, counts in (("lookup", lookup), ("model", model))
+    }
+
+
 def _acceptance_by_position(stats: list[dict]) -> list[float]:
     """For draft position i: steps whose guess i was accepted / steps that drafted a guess i."""
     from types import SimpleNamespace
@@ -254,10 +312,11 @@ def _acceptance_by_position(stats: list[dict]) -> list[float]:
 
 
 def summary_tables(report: dict) -> list:
-    """Rich tables: the four systems, the speculation figures, and one row per prompt."""
+    """Rich tables: the systems, the speculation figures, and one row per prompt."""
     from rich.table import Table
 
     results, ratios = report["results"], report["ratios"]
+    shown = _shown(report)
     base = results["hf_target"]["tokens_per_s"]
     settings = report["settings"]
     systems = Table(
@@ -266,7 +325,7 @@ def summary_tables(report: dict) -> list:
     )
     for name in ("system", "what", "tokens", "seconds", "tokens/s", "vs hf_target"):
         systems.add_column(name, justify="left" if name in ("system", "what") else "right")
-    for system in SYSTEMS:
+    for system in shown:
         result = results[system]
         systems.add_row(
             system,
@@ -284,9 +343,13 @@ def summary_tables(report: dict) -> list:
     rows = [
         ("specd_spec / hf_assisted", _times(ratios["specd_spec/hf_assisted"])),
         ("  median over prompts", _times(medians["specd_spec/hf_assisted"])),
+        ("specd_spec / hf_best (faster of hf_assisted, hf_lookup)", _times(ratios.get("specd_spec/hf_best"))),
+        ("  median over prompts (faster on each prompt)", _times(medians.get("specd_spec/hf_best"))),
+        ("specd_spec / hf_lookup", _times(ratios.get("specd_spec/hf_lookup"))),
         ("specd_spec / hf_target", _times(ratios["specd_spec/hf_target"])),
         ("specd_spec / specd_target", _times(ratios["specd_spec/specd_target"])),
         ("hf_assisted / hf_target", _times(ratios["hf_assisted/hf_target"])),
+        ("hf_lookup / hf_target", _times(ratios.get("hf_lookup/hf_target"))),
         (f"acceptance rate α (K = {k})", _num(report["alpha"], 3)),
         ("mean accepted length", _num(report["mean_accepted_length"], 2)),
         ("acceptance by draft position", " ".join(f"{r:.2f}" for r in report["acceptance_by_position"]) or "-"),
@@ -314,12 +377,13 @@ def summary_tables(report: dict) -> list:
         ("steps target-only (K chosen 0)", "-" if off is None else f"{off:.0%}"),
         ("greedy_match (specd == hf_target)", "yes" if report["greedy_match"] else "NO"),
         ("hf_assisted == hf_target", "yes" if report["hf_assisted_match"] else "no"),
+        ("hf_lookup == hf_target", _yes_no(report.get("hf_lookup_match"))),
     ]
     for name, value in rows:
         figures.add_row(name, value)
 
     prompts = Table(title="per prompt (tokens/s)")
-    for name in ("#", "kind", "prompt", *SYSTEMS, "α", "mean K", "spec/target", "match"):
+    for name in ("#", "kind", "prompt", *shown, "α", "mean K", "spec/target", "spec/hf_best", "match"):
         prompts.add_column(
             name,
             justify="left" if name in ("kind", "prompt") else "right",
@@ -341,10 +405,11 @@ def summary_tables(report: dict) -> list:
             str(entry["index"]),
             entry["kind"],
             _short(entry["prompt"]),
-            *(_num(speed[s], 2) for s in SYSTEMS),
+            *(_num(speed[s], 2) for s in shown),
             _num(entry["alpha"], 2),
             _mean_k(entry["draft_lengths"]),
             _times(_ratio(speed["specd_spec"], speed["specd_target"])),
+            _times(entry["ratios"].get("specd_spec/hf_best")),
             match,
         )
     return [systems, figures, prompts]
@@ -358,10 +423,11 @@ def save_plot(report: dict, path: Path | str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (speed, acceptance, lengths) = plt.subplots(1, 3, figsize=(19, 4.5))
-    values = [report["results"][s]["tokens_per_s"] or 0.0 for s in SYSTEMS]
-    bars = speed.bar(range(len(SYSTEMS)), values, color=["#888888", "#bbbbbb", "#4c72b0", "#dd8452"])
+    shown = _shown(report)
+    values = [report["results"][s]["tokens_per_s"] or 0.0 for s in shown]
+    bars = speed.bar(range(len(shown)), values, color=[COLORS[s] for s in shown])
     speed.bar_label(bars, fmt="%.2f")
-    speed.set_xticks(range(len(SYSTEMS)), SYSTEMS)
+    speed.set_xticks(range(len(shown)), shown)
     settings = report["settings"]
     speed.set(
         ylabel="tokens/s",
@@ -390,6 +456,11 @@ def save_plot(report: dict, path: Path | str) -> None:
     plt.close(figure)
 
 
+def _shown(report: dict) -> list[str]:
+    """The systems the report has, in SYSTEMS order (a report written before hf_lookup has four)."""
+    return [system for system in SYSTEMS if system in report["results"]]
+
+
 def _verify_curve(costs: dict) -> str:
     step = costs["target_step_s"]
     if not step:
@@ -399,6 +470,10 @@ def _verify_curve(costs: dict) -> str:
 
 def _mean_k(lengths: list[int]) -> str:
     return f"{sum(lengths) / len(lengths):.1f}" if lengths else "-"
+
+
+def _yes_no(value: bool | None) -> str:
+    return "-" if value is None else "yes" if value else "no"
 
 
 def _num(value: float | None, digits: int) -> str:

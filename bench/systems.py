@@ -2,20 +2,25 @@
 and settings. This module runs the systems; `specd.bench.report` turns the runs into the
 figures, tables and plot.
 
-Four systems, batch 1, greedy, every one producing exactly max_new_tokens tokens (EOS is
-ignored by all four: HF's models get a generation config without an eos_token_id, specd's
+Five systems, batch 1, greedy, every one producing exactly max_new_tokens tokens (EOS is
+ignored by all five: HF's models get a generation config without an eos_token_id, specd's
 requests ask for `ignore_eos`):
 
 - `hf_target`    transformers `target.generate(do_sample=False)`, in this process;
 - `hf_assisted`  `target.generate(assistant_model=draft)`, greedy, transformers' own
                  assistant schedule (its defaults), in this process;
+- `hf_lookup`    `target.generate(prompt_lookup_num_tokens=N)`, greedy prompt lookup decoding
+                 (no draft model: candidates are copied from where the last n-gram occurred
+                 earlier in the prompt or output; N = BenchSettings.lookup_tokens, 10 as
+                 transformers' docs suggest, its other settings transformers' defaults), in this
+                 process: the peer to beat on edit prompts (bench/prompts_edit.jsonl);
 - `specd_target` specd with speculation off (K = 0) through the gRPC services and the Ray
                  orchestrator (a LocalStack: three processes, or --server);
 - `specd_spec`   specd speculative: K chosen every step (adaptive, the default), or a fixed
                  K = draft_tokens; its draft as the service loads it (int4 on a CPU by default).
 
-Runs are interleaved per prompt (A B C D, A B C D, ...) so slow drift of the machine falls
-on all four alike, and each system is warmed up once on a short prompt before timing.
+Runs are interleaved per prompt (A B C D E, A B C D E, ...) so slow drift of the machine falls
+on all five alike, and each system is warmed up once on a short prompt before timing.
 Every system gets the same prompt token ids (the tokenizer's, without special tokens, as
 the orchestrator tokenizes text); specd is timed on the client, from sending the request to
 the end of its stream, so gRPC and orchestration count against it.
@@ -38,7 +43,11 @@ from specd.bench.report import SYSTEMS, build_report
 QUICK_PROMPTS = 4
 QUICK_TOKENS = 32
 DEFAULT_TOKENS = 64
+LOOKUP_TOKENS = 10  # hf_lookup's prompt_lookup_num_tokens (the value transformers' docs suggest)
 WARMUP_PROMPT = "def add(a, b):\n"
+# code-editing prompts (rename, type hints, docstrings, async, bug fixes, translations): outputs that
+# repeat much of the prompt, where prompt lookup decoding shines (bench/README.md)
+EDIT_PROMPTS = Path(__file__).resolve().parent / "prompts_edit.jsonl"
 
 # called after each timed run with a label such as "prompt 3/24 specd_spec"
 Advance = Callable[[str], None]
@@ -52,6 +61,8 @@ class BenchSettings:
     kinds: list[str] = field(default_factory=list)  # one per prompt ("" when unknown)
     max_new_tokens: int = DEFAULT_TOKENS
     draft_tokens: int | None = None  # None: adaptive (the orchestrator chooses K every step)
+    lookup_tokens: int = LOOKUP_TOKENS  # hf_lookup's prompt_lookup_num_tokens
+    drafter: str = ""  # specd_spec's drafter (orchestrator/lookup.py); "": the server's (hybrid)
     draft_quantize: str | None = None  # the draft service's --quantize (None: its default)
     dtype: str | None = None  # None: load_model's default for the target's device
     device: str = "auto"  # the target's --device: specd's target service and the HF target (model/devices.py)
@@ -97,7 +108,7 @@ def load_prompts(path: Path | str) -> tuple[list[str], list[str]]:
 
 
 class HFSystems:
-    """hf_target and hf_assisted: transformers `generate` on models loaded in this process."""
+    """hf_target, hf_assisted and hf_lookup: transformers `generate` on models loaded in this process."""
 
     def __init__(self, draft, target):
         from transformers import GenerationConfig
@@ -112,16 +123,28 @@ class HFSystems:
         self.config = GenerationConfig(pad_token_id=pad)
         self.assistant_defaults = _assistant_defaults(self.config)
 
+    def lookup_settings(self, lookup_tokens: int) -> dict:
+        """The prompt-lookup settings generate() will use for `run(..., lookup_tokens=N)`."""
+        return {"prompt_lookup_num_tokens": lookup_tokens, **_lookup_defaults(self.config)}
+
     def encode(self, prompt: str) -> list[int]:
         return list(self.target.tokenizer(prompt, add_special_tokens=False).input_ids)
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, assisted: bool) -> Run:
+    def run(
+        self, prompt_ids: list[int], max_new_tokens: int, assisted: bool = False, lookup_tokens: int | None = None
+    ) -> Run:
+        """Greedy generate() on the target: alone (hf_target), with the draft as its assistant
+        (assisted: hf_assisted) or with prompt lookup of `lookup_tokens` candidates (hf_lookup)."""
         import torch
         from transformers.utils import logging as hf_logging
 
+        if assisted and lookup_tokens is not None:
+            raise ValueError("assisted and prompt lookup generation are two different systems: choose one")
         device = self.target.model.device  # the prompt goes where the target computes
         ids = torch.tensor([prompt_ids], device=device)
         extra = {"assistant_model": self.draft.model} if assisted else {}
+        if lookup_tokens is not None:
+            extra["prompt_lookup_num_tokens"] = lookup_tokens
         models = (self.target.model, self.draft.model)
         saved = [model.generation_config for model in models]
         verbosity = hf_logging.get_verbosity()
@@ -157,13 +180,20 @@ def _assistant_defaults(config) -> dict:
     }
 
 
+def _lookup_defaults(config) -> dict:
+    """Prompt lookup's other setting as generate() will use it (transformers 5: unset, its candidate
+    generator matches n-grams of up to 2 tokens)."""
+    return {"max_matching_ngram_size": getattr(config, "max_matching_ngram_size", None) or 2}
+
+
 class SpecdSystems:
     """specd_target and specd_spec: Generate calls to an orchestrator over gRPC."""
 
     def __init__(self, stub, timeout: float):
         self.stub, self.timeout = stub, timeout
 
-    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None) -> Run:
+    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None, drafter: str = "") -> Run:
+        """One greedy Generate: K (None: the server's), the drafter ("": the server's)."""
         from google.protobuf.json_format import MessageToDict
 
         from specd.proto.client import complete
@@ -175,6 +205,7 @@ class SpecdSystems:
             draft_tokens=draft_tokens,
             ignore_eos=True,
             sampling=common_pb2.SamplingParams(temperature=0.0),
+            drafter=drafter,
         )  # None: unset, the server's K
         completion = await complete(self.stub, request, timeout=self.timeout)
         seconds = time.perf_counter() - completion.started
@@ -265,6 +296,7 @@ async def run_bench(
             "server": settings.server,
             "server_info": server_info,
             "hf_assisted_generation": hf.assistant_defaults,
+            "hf_prompt_lookup": hf.lookup_settings(settings.lookup_tokens),
             **environment,
             **_machine(),
         },
@@ -297,8 +329,9 @@ async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance
         systems = {
             "hf_target": lambda ids, tokens: _sync(hf.run(ids, tokens, assisted=False)),
             "hf_assisted": lambda ids, tokens: _sync(hf.run(ids, tokens, assisted=True)),
+            "hf_lookup": lambda ids, tokens: _sync(hf.run(ids, tokens, lookup_tokens=settings.lookup_tokens)),
             "specd_target": lambda ids, tokens: specd.run(ids, tokens, 0),
-            "specd_spec": lambda ids, tokens: specd.run(ids, tokens, k),
+            "specd_spec": lambda ids, tokens: specd.run(ids, tokens, k, settings.drafter),
         }
         say("warming up each system once")
         warmup_ids = hf.encode(WARMUP_PROMPT)
@@ -306,7 +339,7 @@ async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance
             await systems[system](warmup_ids, min(n, 8))
         for index, prompt in enumerate(settings.prompts):
             prompt_ids = hf.encode(prompt)
-            for system in SYSTEMS:  # interleaved: A B C D on each prompt
+            for system in SYSTEMS:  # interleaved: A B C D E on each prompt
                 runs[system].append(await systems[system](prompt_ids, n))
                 if advance:
                     advance(f"prompt {index + 1}/{len(settings.prompts)} {system}")

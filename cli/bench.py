@@ -1,11 +1,12 @@
 """`specd bench`: specd against Hugging Face generate, side by side on the same prompts.
 
-Four systems, batch 1, greedy, each generating exactly --max-new-tokens tokens (EOS ignored),
-interleaved per prompt (A B C D, A B C D, ...) so machine drift falls on all alike:
+Five systems, batch 1, greedy, each generating exactly --max-new-tokens tokens (EOS ignored),
+interleaved per prompt (A B C D E, A B C D E, ...) so machine drift falls on all alike:
   hf_target     transformers generate() on the target alone
   hf_assisted   generate(assistant_model=draft), transformers' assisted decoding
+  hf_lookup     generate(prompt_lookup_num_tokens=10), transformers' prompt lookup decoding
   specd_target  specd, speculation off (K = 0), through the gRPC services and the orchestrator
-  specd_spec    specd speculative (K chosen every step, or a fixed --draft-tokens K)
+  specd_spec    specd speculative (K chosen every step, or a fixed --draft-tokens K; --drafter)
 The HF models load in this process, the target on --device and the draft on --draft-device, as
 specd places its services (so on a GPU both targets compute on the same one); specd runs as a
 local stack (three processes) in the same dtype, or at --server. Reports tokens/s, the ratios,
@@ -30,6 +31,7 @@ from specd.cli.common import (
     draft_tokens_flag,
     write_report,
 )
+from specd.orchestrator.lookup import DRAFTERS
 
 
 def add_parser(verbs) -> None:
@@ -58,6 +60,12 @@ def add_parser(verbs) -> None:
         default=None,
         metavar="K|auto",
         help="K of specd_spec (default auto: chosen every step by the orchestrator)",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default=None,
+        help="specd_spec's drafter: hybrid (the orchestrator's default), model or ngram (orchestrator/lookup.py)",
     )
     parser.add_argument("--draft-model", default="draft", help="default-pair name, local HF directory or hub id")
     parser.add_argument("--target-model", default="target", help="default-pair name, local HF directory or hub id")
@@ -149,6 +157,7 @@ def _settings(args):
         kinds=kinds,
         max_new_tokens=tokens,
         draft_tokens=args.draft_tokens,
+        drafter=args.drafter or "",
         draft_quantize=args.draft_quantize,
         dtype=args.dtype,
         threads=args.threads,

@@ -103,6 +103,18 @@ def add_cuda_graphs_flag(parser: argparse.ArgumentParser, services: str, note: s
     )
 
 
+def add_drafter_flag(parser: argparse.ArgumentParser, note: str = "") -> None:
+    from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
+
+    parser.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default=DEFAULT_DRAFTER,
+        help=f"{note}who guesses: hybrid (default; each step the prompt lookup or the draft model, "
+        "whichever promises more), model (the draft service only), ngram (prompt lookup only)",
+    )
+
+
 def add_stack_device_flags(parser: argparse.ArgumentParser, note: str = "", services_note: str = "") -> None:
     """--device (the target's), --draft-device, --cuda-graphs, --engine (the target's) and --draft-engine:
     the same on up, generate and bench. `services_note` (default `note`) prefixes the help of the flags

@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specd.cli.common import UserError, add_model_flags, add_quantize_flag, add_stack_device_flags, check_stack_devices
+from specd.orchestrator.lookup import DRAFTERS
 from specd.proto.auth import add_client_flags, client_security_from_args
 
 
@@ -30,6 +31,12 @@ def add_parser(verbs) -> None:
         type=int,
         default=None,
         help="a fixed K (default: the server's, which chooses K every step unless started with one)",
+    )
+    parser.add_argument(
+        "--drafter",
+        choices=DRAFTERS,
+        default="",
+        help="who guesses (default: the server's, hybrid unless started otherwise; orchestrator/lookup.py)",
     )
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
     parser.add_argument(
@@ -110,7 +117,8 @@ async def _run_requests(args, address: str) -> dict:
     async with channel(address, security) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
         on_text = None if args.json else _echo
-        completion = await complete(stub, make_request(args.prompt, draft_tokens=k, **settings), on_text)
+        request = make_request(args.prompt, draft_tokens=k, drafter=args.drafter, **settings)
+        completion = await complete(stub, request, on_text)
         if not args.json:
             print(flush=True)
         result = _as_dict(completion)
@@ -155,6 +163,11 @@ def _print_stats(result: dict) -> None:
         ),
         ("draft length K", describe_draft_lengths(stats)),
         ("steps (target passes)", stats["steps"]),
+        (
+            "guessed by (steps)",
+            f"{stats.get('drafter') or '?'}: prompt lookup {stats.get('lookup_steps', 0)}, "
+            f"draft model {stats.get('drafting_steps', 0) - stats.get('lookup_steps', 0)}",
+        ),
         ("acceptance rate α", f"{stats['acceptance_rate']:.2f}"),
         ("mean accepted length", f"{stats['mean_accepted_length']:.2f}"),
         ("accepted by draft position", " ".join(map(str, stats["accepted_per_position"]))),

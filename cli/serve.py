@@ -8,6 +8,7 @@ from specd.cli.common import (
     UserError,
     add_cuda_graphs_flag,
     add_device_flag,
+    add_drafter_flag,
     add_engine_flag,
     add_model_flags,
     add_quantize_flag,
@@ -63,6 +64,7 @@ def add_parser(verbs) -> None:
         metavar="K",
         help=f"the largest K auto may choose (default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
+    add_drafter_flag(parser, "when a request does not say: ")
     _add_address_flags(parser, "orchestrator")
     parser.add_argument(
         "--http-port",
@@ -264,6 +266,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
         workers=args.workers,
         default_draft_tokens=args.draft_tokens,
         max_draft_tokens=args.max_draft_tokens,
+        drafter=args.drafter,
         policy=policy,
         security=security,
         service_security=service_security,

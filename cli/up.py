@@ -7,6 +7,7 @@ import signal
 from specd.cli.common import (
     STACK_DEVICE_FLAGS,
     UserError,
+    add_drafter_flag,
     add_model_flags,
     add_quantize_flag,
     add_stack_device_flags,
@@ -46,6 +47,7 @@ def add_parser(verbs) -> None:
         "resource or a GPU, each server in a Ray actor that Ray restarts",
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (per orchestrator replica)")
+    add_drafter_flag(parser, "the orchestrator's default, ")
     cluster = parser.add_argument_group("with --ray-address")
     cluster.add_argument(
         "--replicas", type=int, default=1, help="orchestrator replicas (replica i adds i to each port)"
@@ -196,6 +198,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_cuda_graphs=graphs["target"],
             draft_engine=args.draft_engine,
             target_engine=args.engine,
+            drafter=args.drafter,
         )
     )
     try:

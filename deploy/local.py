@@ -47,6 +47,7 @@ class StackConfig:
     draft_engine: str | None = None  # auto, transformers or llama.cpp; None: the service's default (`auto`)
     target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
+    drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid)
     extra_service_flags: list[str] = field(default_factory=list)
     # Environment of the two model services, where this process's own does not set the variable
     # (`specd up` puts SHARED_CORES_ENV here).
@@ -145,7 +146,7 @@ class LocalStack:
                 str(self.http_port),
                 "--workers",
                 str(config.workers),
-                *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens),
+                *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens, drafter=config.drafter),
             ],
         )
         await self._wait(orchestrator)

@@ -70,6 +70,7 @@ FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it fol
 SHARED_LOAD = 1.5  # from this load on, every request of a worker prices K at the worker's α
 PROBE_MAX_BEHIND = 64  # a probe that would first catch the draft up on more tokens is skipped
 PROBE_BUDGET = 0.03  # the share of its target-only time a worker may spend on probes
+LOOKUP_ALPHA_PRIOR = 0.5  # prompt lookup before anything is measured: its guesses are often all or nothing
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 
 
@@ -147,6 +148,7 @@ class ServiceCosts:
     draft_floor: float | None = None  # the cheapest guess lately: the draft with the cores to itself
     explorer: weakref.ref | None = None  # the request taking a fresh worker's first measurements under load
     probe_budget: float = 0.0  # seconds of probing the worker's target-only steps have paid for
+    lookup_alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, LOOKUP_ALPHA_PRIOR))
 
     def spend_on_probe(self, behind: int, k: int) -> bool:
         """Whether the budget holds a probe of K after `behind` tokens of catch-up; if so, spend it."""
@@ -261,6 +263,7 @@ class AdaptiveK:
         self.costs = costs
         self.max_k = max_k
         self.alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.alpha.value)
+        self.lookup_alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.lookup_alpha.value)  # the prompt lookup's own
         self.off_steps = 0
         self.probe_every = PROBE_MIN_STEPS
         self.on: bool | None = None  # did the last choice draft (None: none yet)? On: K > 0 has no switch-on price
@@ -296,11 +299,39 @@ class AdaptiveK:
         self.off_steps, self.probe_every = 0, min(2 * self.probe_every, PROBE_MAX_STEPS)
         return k
 
-    def observe(self, k: int, accepted: int) -> None:
-        """One speculative step: `accepted` of `k` guesses. Guesses after the first rejection say nothing."""
+    def model_alpha(self) -> float:
+        """The draft model's α for this request: its own, or under load the worker's (so that the
+        streams of a worker decide alike, see the module's docstring)."""
+        return self.alpha.value if self.costs.load() < SHARED_LOAD else self.costs.alpha.value
+
+    def lookup_k(self, tokens_left: int, found: int, behind: int = 0, model: bool = True) -> int:
+        """K for the prompt lookup's `found` guesses, or 0 where the model's guess (or none) promises
+        more: lookup guesses cost no draft time and no draft round trip, only the longer verify, so
+        they are priced at their own α with t_draft = 0 against target-only and (`model`: the
+        request may use the draft model) the model's best K."""
+        costs = self.costs
+        max_k = min(self.max_k, tokens_left - 1, found)
+        if max_k < 1 or 0 not in costs.verify_by_k:
+            return 0
+        rtt = costs.rtt_target.value or 0.0
+
+        def rate(alpha: float, k: int, t_draft: float = 0.0, rtt_draft: float = 0.0) -> float:
+            return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, rtt + (rtt_draft if k else 0))
+
+        k = max(range(1, max_k + 1), key=lambda k: rate(self.lookup_alpha.value, k))
+        rivals = [rate(1.0, 0)]  # target-only
+        if model and costs.ready():
+            model_k = self._best(min(self.max_k, tokens_left - 1), behind, tokens_left, margin=not self.on)
+            rivals.append(rate(self.model_alpha(), model_k, costs.draft_seconds() or 0.0, costs.rtt_draft.value or 0.0))
+        return k if rate(self.lookup_alpha.value, k) > max(rivals) else 0
+
+    def observe(self, k: int, accepted: int, lookup: bool = False) -> None:
+        """One speculative step: `accepted` of `k` guesses (the prompt lookup's, or the model's).
+        Guesses after the first rejection say nothing."""
+        request, worker = (self.lookup_alpha, self.costs.lookup_alpha) if lookup else (self.alpha, self.costs.alpha)
         for outcome in [1.0] * accepted + [0.0] * (accepted < k):
-            self.alpha.add(outcome)
-            self.costs.alpha.add(outcome)
+            request.add(outcome)
+            worker.add(outcome)
 
     def _may_explore(self) -> bool:
         """Quiet, or under load this request is the worker's one explorer (the first to ask while no
@@ -336,7 +367,7 @@ class AdaptiveK:
         shared cores it is slower, and that is the load's doing, not the draft's)."""
         costs = self.costs
         return best_draft_length(
-            self.alpha.value if costs.load() < SHARED_LOAD else costs.alpha.value,
+            self.model_alpha(),
             (quiet and costs.draft_floor) or costs.draft_seconds(calls),
             lambda k: costs.verify_seconds(k, calls),
             costs.rtt_draft.value or 0.0,

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.generation import GenerationRequest, Stats
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.worker import WorkerPool
@@ -41,6 +42,7 @@ class Core:
     metrics: OrchestratorMetrics | None = None
     max_prompt_tokens: int | None = None  # longest prompt accepted; None = what a session holds
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest adaptive K (and no more than the services take)
+    drafter: str = DEFAULT_DRAFTER  # for a request that leaves it empty (lookup.py DRAFTERS)
 
     def __post_init__(self):
         self.metrics = self.metrics or OrchestratorMetrics()
@@ -93,6 +95,7 @@ class Core:
             workers=len(self.pool.actors),
             adaptive_draft_tokens=self.default_draft_tokens is None,
             max_draft_tokens=self.max_draft_tokens,
+            drafter=self.drafter,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -146,6 +149,9 @@ class Core:
                 f"draft_tokens K={k} is above the largest the services accept ({self.services_max_k}); "
                 f"0 turns speculation off"
             )
+        drafter = message.drafter or self.drafter
+        if drafter not in DRAFTERS:
+            raise BadRequest(f"drafter {message.drafter!r} is not one of {', '.join(DRAFTERS)}")
         max_k, q_max_k = self.max_draft_tokens, self.q_max_k(sampling)
         if q_max_k is not None:  # sampling with a large top_k (or none): a smaller K, never a refused Propose
             k, max_k = None if k is None else min(k, q_max_k), min(max_k, q_max_k)
@@ -160,6 +166,7 @@ class Core:
             draft_tokens=k,
             max_draft_tokens=max_k,
             ignore_eos=message.ignore_eos,
+            drafter=drafter,
             deadline=None if time_remaining is None else time.time() + time_remaining,
         )
 
@@ -188,6 +195,10 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "tokens_per_s": stats.tokens_per_s,
         "time_to_first_token_s": stats.time_to_first_token_s,
         "resyncs": stats.resyncs,
+        "drafter": stats.drafter,
+        "lookup_steps": stats.lookup_steps,
+        "lookup_drafted": stats.lookup_drafted,
+        "lookup_accepted": stats.lookup_accepted,
     }
     if steps:
         answer["step_draft_seconds"] = [draft for draft, _, _ in stats.step_seconds]

@@ -4,9 +4,10 @@ Protocol (per request):
   1. The first step is the target's alone: its Decode carries the whole prompt (a call from token
      0 opens the session, docs/architecture.md §3), so the first token costs one pass. The draft
      is opened the same way by its first Propose, when the chooser first drafts.
-  2. Step (`Generation.step`): choose K (fixed, or adaptive.py's best for the measured α and
-     costs); the draft proposes K tokens; the target verifies them in one pass and emits
-     accepted + 1 tokens; the orchestrator commits them and streams the new text.
+  2. Step (`Generation.step`): choose K and who guesses (fixed, or adaptive.py's best for the
+     measured α and costs of each source); the prompt lookup (lookup.py, no call) or the draft
+     proposes K tokens; the target verifies them in one pass and emits accepted + 1 tokens; the
+     orchestrator commits them and streams the new text.
   3. Rollback is implicit: each next call starts at the agreed prefix (sessions.py, which alone
      keeps the record of what each service holds).
   4. Finish on max_new_tokens ("length"), EOS or a stop string ("stop"). A client's deadline or
@@ -19,6 +20,7 @@ closed, faults.py); an unavailable target is retried, then the request ends UNAV
 
 import asyncio
 import logging
+import struct
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -27,9 +29,10 @@ from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, PromptLookup
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
-from specd.v1 import common_pb2
+from specd.v1 import common_pb2, draft_pb2
 
 log = logging.getLogger("specd.orchestrator")
 
@@ -47,6 +50,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     draft_tokens: int | None = None  # K; 0 = speculation off; None = chosen every step (adaptive.py)
     max_draft_tokens: int = 8  # the largest K an adaptive request may choose
+    drafter: str = DEFAULT_DRAFTER  # who guesses: "model", "ngram" (prompt lookup) or "hybrid" (each step, the better)
     ignore_eos: bool = False
     deadline: float | None = None  # time.time() by which the request must end
     session_id: str = ""  # the services' session id (the pool sets it, to release it if a worker dies)
@@ -74,6 +78,10 @@ class Stats:
     drafting_steps: int = 0  # steps that verified >= 1 draft token (vLLM's num_drafts)
     drafted: int = 0
     accepted: int = 0
+    drafter: str = ""
+    lookup_steps: int = 0  # of drafting_steps, those the prompt lookup guessed for (no draft call)
+    lookup_drafted: int = 0
+    lookup_accepted: int = 0
     draft_lengths: list[int] = field(default_factory=list)  # K of each step (0: target-only)
     accepted_per_position: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # wall seconds of the draft calls
@@ -85,8 +93,12 @@ class Stats:
     completion_tokens: int = 0
     resyncs: int = 0
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, lookup: bool = False) -> None:
         self.steps += 1
+        if lookup:
+            self.lookup_steps += 1
+            self.lookup_drafted += drafted
+            self.lookup_accepted += accepted
         self.draft_lengths.append(drafted)
         self.drafting_steps += drafted > 0
         self.drafted += drafted
@@ -154,8 +166,13 @@ class Generation:
         adaptive = request.draft_tokens is None
         self.chooser = AdaptiveK(self.costs, request.max_draft_tokens) if adaptive else None
         self.stats = Stats(
-            draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens, adaptive=adaptive
+            draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens,
+            adaptive=adaptive,
+            drafter=request.drafter,
         )
+        self.lookup = None if request.drafter == "model" else PromptLookup()  # the committed tokens' n-grams
+        if self.lookup:
+            self.lookup.extend(self.committed)
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
 
     @property
@@ -197,10 +214,12 @@ class Generation:
     async def step(self) -> tuple[list[int], str | None]:
         """One step: propose -> verify -> commit. Returns the committed tokens and a finish reason (None: go on)."""
         committed = self.committed
-        # 1. Propose: the draft guesses K tokens after the committed ones. No guesses when K is 0
-        #    or the draft is down or slow: then the step runs target-only (fail closed).
+        # 1. Propose: K guesses after the committed tokens, from the prompt lookup where the text
+        #    already holds a continuation worth more (no call), else from the draft. No guesses
+        #    when K is 0 or the draft is down or slow: then the step runs target-only (fail closed).
         behind = self.draft.behind(committed)
-        proposal, draft_time = await self.propose(committed, self.draft_length(behind))
+        k, looked_up = self.draft_length(behind)
+        proposal, draft_time = (self.looked_up(looked_up), NO_TIME) if looked_up else await self.propose(committed, k)
         guesses = [] if proposal is None else list(proposal.draft_tokens)
         # 2. Verify: the target scores the committed tail and the guesses in one pass, keeps the
         #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
@@ -212,20 +231,39 @@ class Generation:
         else:
             verdict, served = await self.target.decode(committed, self.sampling)
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
-        self.record(len(guesses), verdict.accepted, draft_time, (time.perf_counter() - started, served), behind)
+        verify_time = (time.perf_counter() - started, served)
+        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, lookup=bool(looked_up))
         # 4. Commit what the target emitted, cut at EOS or the token budget.
         return self.commit(list(verdict.emitted_tokens))
 
-    def draft_length(self, behind: int = 0) -> int:
-        """K for this step: fixed, or the chooser's (`behind`: tokens the draft would first catch up
-        on); never more than the tokens left minus the target's own; 0 for the first step (the
-        first token comes from the target alone)."""
-        left = self.request.max_new_tokens - self.generated
+    def draft_length(self, behind: int = 0) -> tuple[int, list[int]]:
+        """K for this step and, where the prompt lookup guesses, its K guesses (else the draft's K):
+        fixed, or the chooser's (`behind`: tokens the draft would first catch up on); never more
+        than the tokens left minus the target's own; 0 for the first step (the first token comes
+        from the target alone). A fixed K takes the lookup's guesses when it has K of them (an
+        `ngram` request: whatever it has, up to K)."""
+        request, left = self.request, self.request.max_new_tokens - self.generated
         if self.stats.steps == 0:
-            return 0
+            return 0, []
+        most = request.max_draft_tokens if self.chooser else request.draft_tokens
+        found = self.lookup.propose(most) if self.lookup else []
+        model = request.drafter != "ngram"
         if self.chooser:
-            return self.chooser.next_k(left, behind)
-        return max(0, min(self.request.draft_tokens, left - 1))
+            k = self.chooser.lookup_k(left, len(found), behind, model) if found else 0
+            if k or not model:
+                return k, found[:k]
+            return self.chooser.next_k(left, behind), []
+        k = max(0, min(request.draft_tokens, left - 1))
+        if not model or (k and len(found) >= k):
+            return min(k, len(found)), found[:k]
+        return k, []
+
+    def looked_up(self, guesses: list[int]) -> draft_pb2.ProposeResponse:
+        """The prompt lookup's guesses as a draft's reply; deterministic, so when sampling each q row is one-hot."""
+        one = struct.pack("<f", 1.0)
+        greedy = self.sampling.temperature <= 0
+        q = [] if greedy else [draft_pb2.SparseDistribution(token_ids=[x], probs=one) for x in guesses]
+        return draft_pb2.ProposeResponse(draft_tokens=guesses, q=q)
 
     async def propose(self, committed: list[int], k: int) -> tuple:
         """(the draft's reply, (wall seconds, served seconds)), or (None, NO_TIME) when it is not asked or fails.
@@ -247,33 +285,38 @@ class Generation:
         self.draft_gate.succeeded()
         return proposal, (time.perf_counter() - started, served)
 
-    def record(self, k: int, accepted: int, draft: tuple, verify: tuple, behind: int = 0) -> None:
+    def record(self, k: int, accepted: int, draft: tuple, verify: tuple, behind: int = 0, lookup: bool = False) -> None:
         """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds
-        or None); behind: the tokens the draft caught up on first."""
+        or None); behind: the tokens the draft caught up on first; lookup: the prompt lookup guessed
+        (no draft call: the draft falls behind by the step's tokens)."""
         self.stats.record_times(*draft, *verify)
-        self.stats.record_step(k, accepted)
+        self.stats.record_step(k, accepted, lookup)
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
         draft_rtt = draft[0] - draft_s
         self.costs.record_verify(k, verify_s, network_s - draft_rtt)
         if self.target.last_pass:
             self.costs.record_target_pass(self.target.last_pass)
-        if k and self.draft_in_step:  # after target-only steps the call also caught up on their tokens
-            self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
-        elif k and behind:
-            self.costs.record_catchup(behind, draft[0], k)
+        if k and not lookup:  # after target-only (or lookup) steps the call also caught up on their tokens
+            if self.draft_in_step:
+                self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
+            elif behind:
+                self.costs.record_catchup(behind, draft[0], k)
         if k and self.chooser:
-            self.chooser.observe(k, accepted)
-        self.draft_in_step = k > 0
+            self.chooser.observe(k, accepted, lookup)
+        self.draft_in_step = k > 0 and not lookup
 
     def commit(self, emitted: list[int]) -> tuple[list[int], str | None]:
         """Append emitted tokens, cut at EOS or the token budget; returns them and a finish reason or None."""
         budget = self.request.max_new_tokens - self.generated
         eos_at = next((i for i, token in enumerate(emitted) if token in self.eos_ids), None)
-        if eos_at is not None and eos_at < budget:
-            self.committed += emitted[: eos_at + 1]
-            return emitted[: eos_at + 1], "stop"
-        self.committed += emitted[:budget]
-        return emitted[:budget], "length" if self.generated >= self.request.max_new_tokens else None
+        stop = eos_at is not None and eos_at < budget
+        kept = emitted[: eos_at + 1] if stop else emitted[:budget]
+        self.committed += kept
+        if self.lookup:
+            self.lookup.extend(kept)
+        if stop:
+            return kept, "stop"
+        return kept, "length" if self.generated >= self.request.max_new_tokens else None
 
     async def release(self) -> None:
         # Best effort: idle eviction frees whatever a dead service could not release.

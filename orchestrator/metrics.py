@@ -68,6 +68,14 @@ class OrchestratorMetrics:
         self.num_accepted_tokens = Counter(
             "specd_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", registry=registry
         )
+        self.lookup = {  # the prompt lookup's share of the three above (the rest: the draft model's)
+            name: Counter(
+                f"specd_spec_decode_lookup_{name}",
+                f"Of specd_spec_decode_{name}, those the prompt lookup guessed (lookup.py; no draft call)",
+                registry=registry,
+            )
+            for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+        }
         self.num_accepted_tokens_per_pos = Counter(
             "specd_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first)",
@@ -127,6 +135,9 @@ class OrchestratorMetrics:
         self.num_drafts.inc(stats.drafting_steps)
         self.num_draft_tokens.inc(stats.drafted)
         self.num_accepted_tokens.inc(stats.accepted)
+        self.lookup["num_drafts"].inc(stats.lookup_steps)
+        self.lookup["num_draft_tokens"].inc(stats.lookup_drafted)
+        self.lookup["num_accepted_tokens"].inc(stats.lookup_accepted)
         for position, accepted in enumerate(stats.accepted_per_position):
             self.num_accepted_tokens_per_pos.labels(str(position)).inc(accepted)
         self.steps.inc(stats.steps)

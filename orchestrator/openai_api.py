@@ -14,8 +14,9 @@ Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, 
 400 naming the field, as do fields OpenAI does not define; null means "not set". So do a lone
 surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
 and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
-`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "trace": true}` (K = 0
-turns speculation off; trace adds each step's draft and verify seconds). Every response (the last
+`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "drafter": "ngram", "trace": true}`
+(K = 0 turns speculation off; drafter: model, ngram or hybrid; trace adds each step's draft and
+verify seconds). Every response (the last
 chunk, when streaming) carries the request's speculation stats in `"specd"`, named as the gRPC
 Final's SpeculationStats (core.stats_dict).
 """
@@ -135,7 +136,7 @@ class OpenAiApi:
         message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
         message.sampling.CopyFrom(sampling_params(body))
         message.stop.extend(stop_strings(body))
-        k, trace = extension(body, self.core.services_max_k)
+        k, message.drafter, trace = extension(body, self.core.services_max_k)
         if k is not None:
             message.draft_tokens = k
         return Call(chat, message, *streaming(body), trace=trace)

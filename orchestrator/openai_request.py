@@ -8,6 +8,7 @@ import json
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from specd.orchestrator.lookup import DRAFTERS
 from specd.v1 import common_pb2
 
 # Fields both endpoints take; then each endpoint's own.
@@ -145,17 +146,23 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
-def extension(body: dict, max_k: int) -> tuple[int | None, bool]:
-    """`"specd": {"draft_tokens": K, "trace": bool}` -> (K or None for the server's default, trace);
-    `max_k`: the largest K the services take."""
+def extension(body: dict, max_k: int) -> tuple[int | None, str, bool]:
+    """`"specd": {"draft_tokens": K, "drafter": name, "trace": bool}` -> (K or None for the server's
+    default, the drafter or "" for the server's, trace); `max_k`: the largest K the services take."""
     extension = typed_field(body, "specd", dict, {})
     for name in extension:
-        if name not in ("draft_tokens", "trace"):
+        if name not in ("draft_tokens", "drafter", "trace"):
             raise ApiError(
                 400,
-                f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off) and `trace`",
+                f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off), "
+                f"`drafter` ({' | '.join(DRAFTERS)}) and `trace`",
                 f"specd.{name}",
             )
+    drafter = extension.get("drafter", "")
+    if drafter != "" and drafter not in DRAFTERS:
+        raise ApiError(
+            400, f"`specd.drafter` must be one of {', '.join(DRAFTERS)}, got {shown(drafter)}", "specd.drafter"
+        )
     k = extension.get("draft_tokens")
     if k is not None and (not is_int(k) or k < 0):
         raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {shown(k)}", "specd.draft_tokens")
@@ -169,7 +176,7 @@ def extension(body: dict, max_k: int) -> tuple[int | None, bool]:
     trace = extension.get("trace", False)
     if not isinstance(trace, bool):
         raise ApiError(400, f"`specd.trace` must be true or false, got {shown(trace)}", "specd.trace")
-    return k, trace
+    return k, drafter, trace
 
 
 def streaming(body: dict) -> tuple[bool, bool]:

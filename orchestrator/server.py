@@ -11,6 +11,7 @@ from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.core import BadRequest, Core, stats_proto
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.generation import Delta, Finished
+from specd.orchestrator.lookup import DEFAULT_DRAFTER
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
@@ -68,6 +69,7 @@ class OrchestratorServer:
         max_concurrent_requests: int | None = None,
         max_prompt_tokens: int | None = None,
         max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
+        drafter: str = DEFAULT_DRAFTER,
     ):
         self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
         self.security = security  # this server's token and TLS
@@ -77,6 +79,7 @@ class OrchestratorServer:
         self.workers = workers
         self.default_draft_tokens = default_draft_tokens  # None: adaptive
         self.max_draft_tokens = max_draft_tokens
+        self.drafter = drafter  # for requests that leave it empty (lookup.py)
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.pool: WorkerPool | None = None
@@ -105,6 +108,7 @@ class OrchestratorServer:
             self.metrics,
             max_prompt_tokens=self.limits[1],
             max_draft_tokens=self.max_draft_tokens,
+            drafter=self.drafter,
         )
         self.servicer = SpecDecodeServicer(self.core)
         specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)

@@ -28,12 +28,14 @@ def make_request(
     stop: list[str] = (),
     draft_tokens: int | None = None,
     ignore_eos: bool = False,
+    drafter: str = "",
 ) -> specdecode_pb2.GenerateRequest:
     request = specdecode_pb2.GenerateRequest(
         prompt=prompt,
         max_new_tokens=max_new_tokens,
         stop=list(stop),
         ignore_eos=ignore_eos,
+        drafter=drafter,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
     )
     if draft_tokens is not None:

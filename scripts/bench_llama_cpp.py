@@ -1,11 +1,15 @@
 """specd on its llama.cpp engine beside llama.cpp's own server, on the same GGUF files (issue 22).
 
-Four systems, batch 1, greedy, every one producing exactly --max-new-tokens tokens (EOS ignored):
+Six systems, batch 1, greedy, every one producing exactly --max-new-tokens tokens (EOS ignored):
 
 - `llama_target`  llama-server on the target GGUF;
 - `llama_spec`    llama-server on the target with the draft GGUF as its own draft (`-md`, its defaults);
+- `llama_lookup`  llama-server on the target with its own n-gram lookup (`--spec-type ngram-simple`,
+                  its defaults): llama.cpp's prompt lookup, the peer on edit prompts;
 - `specd_target`  `specd up --engine llama.cpp --draft-engine llama.cpp`, speculation off (K = 0);
-- `specd_spec`    the same stack, K chosen every step (the default).
+- `specd_model`   the same stack, K chosen every step, the draft model guessing (`drafter: model`);
+- `specd_spec`    the same stack as it serves by default: K chosen every step, and each step the
+                  prompt lookup or the draft model guessing, whichever promises more (`hybrid`).
 
 Each request is timed on the client from sending it to its last token (llama-server's /completion
 without streaming, specd's Generate stream over gRPC), runs are interleaved per prompt, and every
@@ -30,24 +34,31 @@ from pathlib import Path
 
 import requests
 
+from specd.bench.report import by_source
 from specd.bench.systems import SpecdSystems, load_prompts
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
 from specd.model.store import find_spec, gguf_path
 from specd.proto.client import channel
 from specd.v1 import specdecode_pb2_grpc
 
-SYSTEMS = ("llama_target", "llama_spec", "specd_target", "specd_spec")
+SYSTEMS = ("llama_target", "llama_spec", "llama_lookup", "specd_target", "specd_model", "specd_spec")
+LLAMA_SPECULATION = {  # llama-server's flags for each of its systems
+    "llama_target": [],
+    "llama_spec": ["-md", str(gguf_path(find_spec("draft")))],
+    "llama_lookup": ["--spec-type", "ngram-simple"],
+}
+DRAFTERS = {"specd_model": "model", "specd_spec": ""}  # "": the orchestrator's default (hybrid)
 WARMUP = "def add(a, b):\n"
 
 
 class LlamaServer:
-    def __init__(self, binary: str, threads: int, draft: bool, log_dir: Path):
+    def __init__(self, binary: str, threads: int, name: str, log_dir: Path):
         self.port = free_port()
         command = [binary, "-m", str(gguf_path(find_spec("target"))), "--port", str(self.port), "-t", str(threads)]
-        command += ["-c", "4096", "-np", "1", "--no-webui"]
-        if draft:
-            command += ["-md", str(gguf_path(find_spec("draft"))), "-td", str(threads)]
-        self.log = log_dir / f"llama-server{'-md' if draft else ''}.log"
+        command += ["-c", "4096", "-np", "1", "--no-webui", *LLAMA_SPECULATION[name]]
+        if "-md" in command:
+            command += ["-td", str(threads)]
+        self.log = log_dir / f"{name}.log"
         env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}  # its own libllama beside it
         self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         self.command = command
@@ -107,10 +118,7 @@ async def main(args) -> dict:
             service_env=SHARED_CORES_ENV,
         )
     )
-    servers = {
-        "llama_target": LlamaServer(args.llama_server, threads, False, log_dir),
-        "llama_spec": LlamaServer(args.llama_server, threads, True, log_dir),
-    }
+    servers = {name: LlamaServer(args.llama_server, threads, name, log_dir) for name in LLAMA_SPECULATION}
     runs = {system: [] for system in SYSTEMS}
     try:
         await stack.start()
@@ -128,7 +136,7 @@ async def main(args) -> dict:
             async def one(system: str, ids: list[int], tokens: int) -> dict:
                 if system in servers:
                     return await asyncio.to_thread(servers[system].run, ids, tokens)
-                run = await specd.run(ids, tokens, 0 if system == "specd_target" else None)
+                run = await specd.run(ids, tokens, 0 if system == "specd_target" else None, DRAFTERS.get(system, ""))
                 return {"token_ids": run.token_ids, "seconds": run.seconds, "stats": run.stats}
 
             for system in SYSTEMS:
@@ -167,8 +175,15 @@ def report(args, prompts, kinds, runs, servers, threads) -> dict:
         "ratios": {
             "specd_target / llama_target": round(medians["specd_target"] / medians["llama_target"], 3),
             "specd_spec / llama_spec": round(medians["specd_spec"] / medians["llama_spec"], 3),
+            "specd_spec / specd_model": round(medians["specd_spec"] / medians["specd_model"], 3),
+            "specd_model / llama_spec": round(medians["specd_model"] / medians["llama_spec"], 3),
+            "specd_spec / specd_target": round(medians["specd_spec"] / medians["specd_target"], 3),
             "specd_spec / llama_target": round(medians["specd_spec"] / medians["llama_target"], 3),
             "llama_spec / llama_target": round(medians["llama_spec"] / medians["llama_target"], 3),
+            "llama_lookup / llama_target": round(medians["llama_lookup"] / medians["llama_target"], 3),
+            "specd_spec / llama_best": round(
+                medians["specd_spec"] / max(medians["llama_spec"], medians["llama_lookup"]), 3
+            ),
         },
         "same_tokens_as_specd_target": same,
         "specd_spec": {
@@ -176,10 +191,18 @@ def report(args, prompts, kinds, runs, servers, threads) -> dict:
             "accepted": accepted,
             "steps": sum(int(s.get("steps", 0)) for s in stats),
             "drafting_steps": sum(int(s.get("drafting_steps", 0)) for s in stats),
+            "by_source": by_source(stats),  # the prompt lookup's guesses and the draft model's
         },
-        "llama_spec": {
-            "drafted": sum(r.get("draft_n") or 0 for r in runs["llama_spec"]),
-            "accepted": sum(r.get("draft_n_accepted") or 0 for r in runs["llama_spec"]),
+        "specd_model": {
+            "drafted": sum(int(r["stats"].get("drafted", 0)) for r in runs["specd_model"]),
+            "accepted": sum(int(r["stats"].get("accepted", 0)) for r in runs["specd_model"]),
+        },
+        **{
+            name: {
+                "drafted": sum(r.get("draft_n") or 0 for r in runs[name]),
+                "accepted": sum(r.get("draft_n_accepted") or 0 for r in runs[name]),
+            }
+            for name in ("llama_spec", "llama_lookup")
         },
         "per_prompt_tokens_per_s": {s: [round(v, 2) for v in rates[s]] for s in SYSTEMS},
         "kinds": kinds[: len(prompts)],
@@ -203,7 +226,7 @@ def plot(report: dict, path: Path) -> None:
 
     medians = report["median_tokens_per_s"]
     figure, axis = plt.subplots(figsize=(7, 3.6))
-    colors = ["#999999", "#666666", "#7fb3d5", "#1f618d"]
+    colors = ["#999999", "#666666", "#444444", "#7fb3d5", "#4a90c2", "#1f618d"]
     bars = axis.bar(list(medians), list(medians.values()), color=colors)
     axis.bar_label(bars, fmt="%.1f")
     axis.set_ylabel("tokens/s (median over prompts)")

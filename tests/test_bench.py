@@ -31,6 +31,8 @@ REQUIRED_RATIOS = {
     "specd_spec/hf_assisted": ("specd_spec", "hf_assisted"),
     "specd_spec/hf_target": ("specd_spec", "hf_target"),
     "specd_spec/specd_target": ("specd_spec", "specd_target"),
+    "specd_spec/hf_lookup": ("specd_spec", "hf_lookup"),
+    "hf_lookup/hf_target": ("hf_lookup", "hf_target"),
 }
 
 
@@ -43,6 +45,22 @@ def cli(argv: list[str]) -> int:
 
 def address(tiny_stack) -> str:
     return f"127.0.0.1:{tiny_stack.orchestrator.port}"
+
+
+def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
+    """specd's final stats for one request, each step alike."""
+    return {
+        "steps": steps,
+        "drafted": drafted,
+        "accepted": accepted,
+        "accepted_per_position": per_position,
+        "draft_seconds": draft_s,
+        "verify_seconds": verify_s,
+        "other_seconds": 0.0,
+        "draft_lengths": [drafted // steps] * steps,
+        "step_draft_seconds": [draft_s / steps] * steps,
+        "step_verify_seconds": [verify_s / steps] * steps,
+    }
 
 
 # ---------------------------------------------------------------- maths
@@ -83,24 +101,11 @@ def test_first_difference():
 
 
 def test_report_figures_from_hand_built_runs():
-    def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
-        return {
-            "steps": steps,
-            "drafted": drafted,
-            "accepted": accepted,
-            "accepted_per_position": per_position,
-            "draft_seconds": draft_s,
-            "verify_seconds": verify_s,
-            "other_seconds": 0.0,
-            "draft_lengths": [drafted // steps] * steps,
-            "step_draft_seconds": [draft_s / steps] * steps,
-            "step_verify_seconds": [verify_s / steps] * steps,
-        }
-
     ids = [1, 2, 3, 4]
     runs = {
         "hf_target": [systems.Run(ids, 2.0), systems.Run(ids, 2.0)],
         "hf_assisted": [systems.Run(ids, 1.0), systems.Run([1, 2, 9, 4], 1.0)],
+        "hf_lookup": [systems.Run(ids, 2.0), systems.Run(ids, 2.0)],
         "specd_target": [
             systems.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 2.0)),
             systems.Run(ids, 2.5, spec(4, 0, 0, [], 0.0, 4.0)),
@@ -138,8 +143,93 @@ def test_report_figures_from_hand_built_runs():
     assert report["achievable_speedup"] == pytest.approx(tokens * 0.75 / (2 * 0.1 + 0.25))
     assert report["achievable_best_k"] == 2
     assert report["greedy_match"] is True and report["hf_assisted_match"] is False
+    assert report["hf_lookup_match"] is True  # each HF peer against hf_target on its own
     assert report["per_prompt"][1]["first_difference"]["hf_assisted"] == 2
     assert report["per_prompt"][1]["prompt_tokens"] == 2 and report["per_prompt"][1]["kind"] == "prose"
+    assert report["settings"]["lookup_tokens"] == systems.LOOKUP_TOKENS == 10
+
+
+def test_hf_best_is_the_faster_hf_peer_on_each_prompt():
+    """specd_spec/hf_best: over all tokens against the faster HF total; per prompt (and so its median)
+    against whichever of hf_assisted and hf_lookup was faster on that prompt."""
+    ids = [1, 2, 3, 4]
+    runs = {
+        "hf_target": [systems.Run(ids, 2.0), systems.Run(ids, 2.0), systems.Run(ids, 2.0)],  # 2 tokens/s
+        "hf_assisted": [systems.Run(ids, 1.0), systems.Run(ids, 1.0), systems.Run(ids, 1.0)],  # 4, 4, 4
+        "hf_lookup": [
+            systems.Run(ids, 0.25),  # 16 tokens/s: the edit prompt, lookup wins
+            systems.Run([1, 2, 3, 7], 2.0),  # 2: nothing to copy, assisted wins
+            systems.Run(ids, 0.5),  # 8: lookup wins
+        ],
+        "specd_target": [systems.Run(ids, 2.0, spec(4, 0, 0, [], 0.0, 2.0)) for _ in range(3)],
+        "specd_spec": [systems.Run(ids, 0.5, spec(2, 4, 2, [2], 0.2, 0.3)) for _ in range(3)],  # 8 tokens/s
+    }
+    settings = systems.BenchSettings(prompts=["a", "b", "c"], kinds=["edit"] * 3, max_new_tokens=4, lookup_tokens=6)
+    report = bench_report.build_report(settings, runs, [[7], [8], [9]])
+
+    lookup = 12 / 2.75  # tokens/s over all prompts
+    assert report["results"]["hf_lookup"] == {"tokens": 12, "seconds": 2.75, "tokens_per_s": pytest.approx(lookup)}
+    assert report["ratios"]["specd_spec/hf_lookup"] == pytest.approx(8 / lookup)
+    assert report["ratios"]["hf_lookup/hf_target"] == pytest.approx(lookup / 2)
+    assert report["ratios"]["specd_spec/hf_best"] == pytest.approx(8 / lookup)  # lookup's total beats assisted's 4
+    assert [entry["hf_best"] for entry in report["per_prompt"]] == ["hf_lookup", "hf_assisted", "hf_lookup"]
+    per_prompt = [entry["ratios"]["specd_spec/hf_best"] for entry in report["per_prompt"]]
+    assert per_prompt == pytest.approx([8 / 16, 8 / 4, 8 / 8])
+    assert report["median_ratios"]["specd_spec/hf_best"] == pytest.approx(1.0)
+    assert report["median_ratios"]["specd_spec/hf_lookup"] == pytest.approx(1.0)  # 0.5, 4, 1
+    assert report["median_ratios"]["hf_lookup/hf_target"] == pytest.approx(4.0)  # 8, 1, 4
+    assert report["median_ratios"]["specd_spec/hf_assisted"] == pytest.approx(2.0)  # the old keys stay
+    assert report["hf_lookup_match"] is False and report["hf_assisted_match"] is True
+    assert report["per_prompt"][1]["matches_hf_target"]["hf_lookup"] is False
+    assert report["per_prompt"][1]["first_difference"]["hf_lookup"] == 3
+    assert report["settings"]["lookup_tokens"] == 6
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=200)
+    for table in bench_report.summary_tables(report):
+        console.print(table)
+    text = console.file.getvalue()
+    assert "specd_spec / hf_best" in text and "hf_lookup == hf_target" in text and "hf_lookup" in text
+
+
+def test_a_report_from_before_hf_lookup_still_renders(tmp_path):
+    """Reports written with four systems (docs/results/) still print and plot."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    old = json.loads((Path(__file__).parent.parent / "docs" / "results" / "bench_adaptive.json").read_text())
+    assert "hf_lookup" not in old["results"]
+    console = Console(file=io.StringIO(), width=200)
+    for table in bench_report.summary_tables(old):
+        console.print(table)
+    assert "specd_spec / hf_assisted" in console.file.getvalue()
+    bench_report.save_plot(old, tmp_path / "old.png")
+    assert (tmp_path / "old.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+# ---------------------------------------------------------------- the edit prompts
+
+
+def test_the_edit_prompts_load_and_have_the_default_prompts_shape(tiny_dirs):
+    from transformers import AutoTokenizer
+
+    prompts, kinds = systems.load_prompts(systems.EDIT_PROMPTS)
+    assert len(prompts) >= 16 and kinds == ["edit"] * len(prompts)
+    assert len(set(prompts)) == len(prompts)
+    default_keys = {key for line in bench_cli_default_prompts().read_text().splitlines() for key in json.loads(line)}
+    lines = [json.loads(line) for line in systems.EDIT_PROMPTS.read_text().splitlines() if line.strip()]
+    assert all(set(line) == default_keys == {"prompt", "kind"} for line in lines)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dirs["target"])  # the real Qwen2.5 tokenizer
+    for prompt in prompts:
+        # the user turn gives the code; the assistant turn is already open (mostly on a code fence)
+        assert prompt.startswith("<|im_start|>user\n") and "```" in prompt.split("<|im_end|>")[0], prompt[:60]
+        assert "<|im_end|>\n<|im_start|>assistant\n" in prompt and not prompt.endswith("<|im_end|>\n")
+        tokens = len(tokenizer(prompt, add_special_tokens=False).input_ids)
+        assert 100 <= tokens <= 400, (tokens, prompt[:60])
+    opened = [p for p in prompts if p.split("<|im_start|>assistant\n")[1].startswith("```")]
+    assert len(opened) >= len(prompts) - 2  # the continuation starts by rewriting the code
 
 
 # ---------------------------------------------------------------- the HF baselines
@@ -157,10 +247,23 @@ def test_hf_baselines_ignore_eos_and_leave_the_models_config_alone(tiny_dirs):
             embeddings = loaded.model.get_input_embeddings().weight
             embeddings[eos] = 100 * embeddings[first]
     saved = target.model.generation_config
-    for assisted in (False, True):
-        output = hf.run(prompt, 6, assisted=assisted).token_ids
-        assert len(output) == 6 and output[0] == eos
+    for system in ({}, {"assisted": True}, {"lookup_tokens": 3}):
+        output = hf.run(prompt, 6, **system).token_ids
+        assert len(output) == 6 and output[0] == eos, system
     assert target.model.generation_config is saved and saved.eos_token_id is not None
+    with pytest.raises(ValueError, match="choose one"):
+        hf.run(prompt, 6, assisted=True, lookup_tokens=3)
+
+
+def test_hf_lookup_is_greedy_and_reports_its_settings(tiny_loaded):
+    """Prompt lookup only proposes tokens; the target's greedy choice decides, so its output is hf_target's."""
+    hf = systems.HFSystems(tiny_loaded["draft"], tiny_loaded["target"])
+    prompts, _ = systems.load_prompts(systems.EDIT_PROMPTS)
+    for prompt in prompts[:2]:
+        ids = hf.encode(prompt)
+        plain = hf.run(ids, 12).token_ids
+        assert hf.run(ids, 12, lookup_tokens=systems.LOOKUP_TOKENS).token_ids == plain
+    assert hf.lookup_settings(10) == {"prompt_lookup_num_tokens": 10, "max_matching_ngram_size": 2}
 
 
 # ---------------------------------------------------------------- end to end on the tiny stack
@@ -181,7 +284,7 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     report = await systems.run_bench(
         settings, advance=labels.append, say=lambda message: None, models=(tiny_loaded["draft"], tiny_loaded["target"])
     )
-    assert len(labels) == 2 * 4 and labels[-1] == "prompt 2/2 specd_spec"
+    assert len(labels) == 2 * len(bench_report.SYSTEMS) == 2 * 5 and labels[-1] == "prompt 2/2 specd_spec"
     json.loads(json.dumps(report))  # serializable as it stands
 
     assert set(report) >= TOP_KEYS
@@ -194,6 +297,11 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
         assert report["ratios"][name] == pytest.approx(speed[top] / speed[bottom])
 
     assert report["greedy_match"] is True  # float32: specd's output is the target's greedy output
+    assert report["hf_lookup_match"] is True  # and so is prompt lookup's
+    assert report["ratios"]["specd_spec/hf_best"] == pytest.approx(
+        speed["specd_spec"] / max(speed["hf_assisted"], speed["hf_lookup"])
+    )
+    assert report["median_ratios"]["specd_spec/hf_best"] > 0
     assert 0 <= report["alpha"] <= 1 and report["c"] > 0
     assert 1 <= report["mean_accepted_length"] <= 1 + 3
     assert report["analytic_speedup"] == pytest.approx(bench_report.analytic_best(report["alpha"], report["c"])[0])
@@ -208,6 +316,8 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     assert report["settings"]["dtype"] == "float32" and report["settings"]["prompts"] == 2
     assert report["settings"]["server_info"]["dtype"] == "float32"
     assert report["settings"]["hf_assisted_generation"]["num_assistant_tokens"] >= 1
+    assert report["settings"]["hf_prompt_lookup"]["prompt_lookup_num_tokens"] == systems.LOOKUP_TOKENS
+    assert report["settings"]["order"].endswith("hf_target hf_assisted hf_lookup specd_target specd_spec")
 
     bench_report.save_plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(PNG_SIGNATURE)
@@ -217,7 +327,7 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     for table in bench_report.summary_tables(report):
         console.print(table)
     text = console.file.getvalue()
-    assert "specd_spec / hf_assisted" in text and "analytic best" in text
+    assert "specd_spec / hf_assisted" in text and "analytic best" in text and "specd_spec / hf_best" in text
 
 
 async def test_command_line_writes_json_and_plot(tiny_stack, tiny_dirs, tmp_path):
@@ -274,9 +384,11 @@ def test_quick_takes_the_first_prompts_and_fewer_tokens():
         cuda_graphs="auto",
         engine="transformers",
         draft_engine="llama.cpp",
+        drafter="ngram",
     )
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == systems.QUICK_PROMPTS and settings.max_new_tokens == systems.QUICK_TOKENS
+    assert settings.drafter == "ngram"
     assert (settings.draft_engine, settings.target_engine) == ("llama.cpp", "transformers")  # specd's services'
     args.quick = False
     settings = bench_cli._settings(args)

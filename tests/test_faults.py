@@ -35,7 +35,10 @@ POLICY = FaultPolicy(propose_timeout_s=0.5, call_timeout_s=5.0, target_retry_s=2
 
 
 def request(k: int, max_new_tokens: int) -> specdecode_pb2.GenerateRequest:
-    return specdecode_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=max_new_tokens, draft_tokens=k, ignore_eos=True)
+    """The draft model guesses every step (no prompt lookup): these faults are the draft service's."""
+    return specdecode_pb2.GenerateRequest(
+        prompt=PROMPT, max_new_tokens=max_new_tokens, draft_tokens=k, ignore_eos=True, drafter="model"
+    )
 
 
 class Recorder(grpc.aio.ServerInterceptor):

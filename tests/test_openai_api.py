@@ -98,8 +98,20 @@ async def test_openai_completion_equals_grpc_greedy(tiny_http):
     assert completion.usage.completion_tokens == 16 and completion.usage.prompt_tokens == final.usage.prompt_tokens
     stats = completion.model_extra["specd"]
     assert set(stats) == STATS_FIELDS - set(STEP_FIELDS)  # the gRPC Final's names; per-step lists on `trace` only
-    assert stats["draft_tokens"] == 8 and stats["drafted"] > 0 and stats["adaptive"]  # adaptive K, up to 8
+    # adaptive K, up to 8 (whether it drafts is the chooser's call: the shared stack's worker may have
+    # learned that speculation does not pay between the tiny models, and its probe budget may be spent)
+    assert stats["draft_tokens"] == 8 and stats["adaptive"]
     assert stats["accepted"] == sum(stats["accepted_per_position"]) and 0 <= stats["acceptance_rate"] <= 1
+    fixed = await client(base).completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 3, "drafter": "model"}},
+    )
+    stats = fixed.model_extra["specd"]
+    assert fixed.choices[0].text == expected and stats["draft_tokens"] == 3 and not stats["adaptive"]
+    assert stats["drafted"] > 0 and stats["accepted"] == sum(stats["accepted_per_position"])
 
 
 async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
@@ -565,9 +577,11 @@ async def send_and_leave(port: int, path: str, body: dict, leave_after) -> None:
         + data
     )
     await writer.drain()
-    await leave_after(reader)
-    writer.close()
-    await writer.wait_closed()
+    try:
+        await leave_after(reader)
+    finally:  # a failed check leaves too: a request left running would hold sessions into the next tests
+        writer.close()
+        await writer.wait_closed()
 
 
 async def sessions_released(stack, timeout_s: float = 20.0) -> bool:
@@ -585,6 +599,7 @@ async def test_a_client_that_leaves_cancels_its_request(tiny_http):
     port = int(base.rsplit(":", 1)[1])
     before = scrape((await http("GET", f"{base}/metrics"))[1])
     long = {"model": model, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
+    long["specd"] = {"draft_tokens": 4, "drafter": "model"}  # both sessions open from the first step
 
     async def first_chunk(reader):
         while not (await reader.readline()).startswith(b"data: "):

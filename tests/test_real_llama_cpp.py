@@ -106,3 +106,19 @@ async def test_a_transformers_draft_serves_a_llama_cpp_target(real_float32, ray_
             assert result.final.stats.accepted > 0
     finally:
         await stop_stack(stack)
+
+
+@pytest.mark.parametrize("drafter, k", [("ngram", None), ("hybrid", None), ("hybrid", 4)])
+async def test_an_edit_prompt_is_exact_whoever_guesses(llama_stack, drafter, k):
+    """The first edit prompt (bench/prompts_edit.jsonl: rename in a file given in the prompt): the
+    real target repeats the file, the prompt lookup guesses it, and the output is speculation off's."""
+    from specd.bench.systems import EDIT_PROMPTS, load_prompts
+
+    prompt = load_prompts(EDIT_PROMPTS)[0][0]
+    off = await complete(llama_stack.client, make_request(prompt, 48, draft_tokens=0, ignore_eos=True))
+    run = await complete(llama_stack.client, make_request(prompt, 48, draft_tokens=k, ignore_eos=True, drafter=drafter))
+    assert run.token_ids == off.token_ids, (drafter, k)
+    stats = run.final.stats
+    assert stats.drafter == drafter and stats.lookup_accepted > 0  # the lookup guessed, and rightly
+    if drafter == "ngram":
+        assert stats.lookup_drafted == stats.drafted

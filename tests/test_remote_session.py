@@ -524,7 +524,9 @@ async def test_a_failed_draft_is_left_alone_for_the_gates_back_off():
     gate = DraftGate(FaultPolicy(draft_backoff_s=(30.0, 30.0)))
     tokens, finished = await generate(draft, target, 3, gate=gate)
     assert tokens == target_only(30)
-    assert finished.stats.drafted == 0 and finished.stats.steps == 30
+    # no guess of the draft's after its failure; the prompt lookup (which needs no draft) may guess
+    stats = finished.stats
+    assert stats.drafted == stats.lookup_drafted and stats.steps == 30 - stats.accepted
     assert draft.methods() == ["Propose", "Release"] and not gate.is_open()
 
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specd/v1/specdecode.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xcd\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x19\n\x0c\x64raft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x0f\n\r_draft_tokens\"_\n\x10GenerateResponse\x12 \n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.specd.v1.FinalH\x00\x42\x07\n\x05\x65vent\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"i\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x03 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xcf\x03\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x15\n\rother_seconds\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07resyncs\x18\x0c \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\r \x01(\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x0e \x01(\x08\x12\x15\n\rdraft_lengths\x18\x0f \x03(\r\x12\x16\n\x0e\x64rafting_steps\x18\x10 \x01(\r\x12\x17\n\x0fnetwork_seconds\x18\x11 \x01(\x01\x12\x1a\n\x12step_draft_seconds\x18\x12 \x03(\x01\x12\x1b\n\x13step_verify_seconds\x18\x13 \x03(\x01\"\xc3\x01\n\x10OrchestratorInfo\x12\"\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\x1c\n\x14\x64\x65\x66\x61ult_draft_tokens\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x64\x61ptive_draft_tokens\x18\x05 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r2\x8c\x01\n\nSpecDecode\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x39\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x1a.specd.v1.OrchestratorInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specd/v1/specdecode.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\"\xde\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\r\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x19\n\x0c\x64raft_tokens\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x0f\n\x07\x64rafter\x18\x08 \x01(\tB\x0f\n\r_draft_tokens\"_\n\x10GenerateResponse\x12 \n\x05\x64\x65lta\x18\x01 \x01(\x0b\x32\x0f.specd.v1.DeltaH\x00\x12 \n\x05\x66inal\x18\x02 \x01(\x0b\x32\x0f.specd.v1.FinalH\x00\x42\x07\n\x05\x65vent\"(\n\x05\x44\x65lta\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\"i\n\x05\x46inal\x12\x15\n\rfinish_reason\x18\x01 \x01(\t\x12\x1e\n\x05usage\x18\x02 \x01(\x0b\x32\x0f.specd.v1.Usage\x12)\n\x05stats\x18\x03 \x01(\x0b\x32\x1a.specd.v1.SpeculationStats\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xa7\x04\n\x10SpeculationStats\x12\x14\n\x0c\x64raft_tokens\x18\x01 \x01(\r\x12\r\n\x05steps\x18\x02 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x05 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x06 \x01(\x01\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x07 \x03(\r\x12\x15\n\rdraft_seconds\x18\x08 \x01(\x01\x12\x16\n\x0everify_seconds\x18\t \x01(\x01\x12\x15\n\rother_seconds\x18\n \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x0b \x01(\x01\x12\x0f\n\x07resyncs\x18\x0c \x01(\r\x12\x1d\n\x15time_to_first_token_s\x18\r \x01(\x01\x12\x10\n\x08\x61\x64\x61ptive\x18\x0e \x01(\x08\x12\x15\n\rdraft_lengths\x18\x0f \x03(\r\x12\x16\n\x0e\x64rafting_steps\x18\x10 \x01(\r\x12\x17\n\x0fnetwork_seconds\x18\x11 \x01(\x01\x12\x1a\n\x12step_draft_seconds\x18\x12 \x03(\x01\x12\x1b\n\x13step_verify_seconds\x18\x13 \x03(\x01\x12\x0f\n\x07\x64rafter\x18\x14 \x01(\t\x12\x14\n\x0clookup_steps\x18\x15 \x01(\r\x12\x16\n\x0elookup_drafted\x18\x16 \x01(\r\x12\x17\n\x0flookup_accepted\x18\x17 \x01(\r\"\xd4\x01\n\x10OrchestratorInfo\x12\"\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12#\n\x06target\x18\x02 \x01(\x0b\x32\x13.specd.v1.ModelInfo\x12\x1c\n\x14\x64\x65\x66\x61ult_draft_tokens\x18\x03 \x01(\r\x12\x0f\n\x07workers\x18\x04 \x01(\r\x12\x1d\n\x15\x61\x64\x61ptive_draft_tokens\x18\x05 \x01(\x08\x12\x18\n\x10max_draft_tokens\x18\x06 \x01(\r\x12\x0f\n\x07\x64rafter\x18\x07 \x01(\t2\x8c\x01\n\nSpecDecode\x12\x43\n\x08Generate\x12\x19.specd.v1.GenerateRequest\x1a\x1a.specd.v1.GenerateResponse0\x01\x12\x39\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x1a.specd.v1.OrchestratorInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,19 +33,19 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specd.v1.specdecode_pb2', _
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=63
-  _globals['_GENERATEREQUEST']._serialized_end=268
-  _globals['_GENERATERESPONSE']._serialized_start=270
-  _globals['_GENERATERESPONSE']._serialized_end=365
-  _globals['_DELTA']._serialized_start=367
-  _globals['_DELTA']._serialized_end=407
-  _globals['_FINAL']._serialized_start=409
-  _globals['_FINAL']._serialized_end=514
-  _globals['_USAGE']._serialized_start=516
-  _globals['_USAGE']._serialized_end=573
-  _globals['_SPECULATIONSTATS']._serialized_start=576
-  _globals['_SPECULATIONSTATS']._serialized_end=1039
-  _globals['_ORCHESTRATORINFO']._serialized_start=1042
-  _globals['_ORCHESTRATORINFO']._serialized_end=1237
-  _globals['_SPECDECODE']._serialized_start=1240
-  _globals['_SPECDECODE']._serialized_end=1380
+  _globals['_GENERATEREQUEST']._serialized_end=285
+  _globals['_GENERATERESPONSE']._serialized_start=287
+  _globals['_GENERATERESPONSE']._serialized_end=382
+  _globals['_DELTA']._serialized_start=384
+  _globals['_DELTA']._serialized_end=424
+  _globals['_FINAL']._serialized_start=426
+  _globals['_FINAL']._serialized_end=531
+  _globals['_USAGE']._serialized_start=533
+  _globals['_USAGE']._serialized_end=590
+  _globals['_SPECULATIONSTATS']._serialized_start=593
+  _globals['_SPECULATIONSTATS']._serialized_end=1144
+  _globals['_ORCHESTRATORINFO']._serialized_start=1147
+  _globals['_ORCHESTRATORINFO']._serialized_end=1359
+  _globals['_SPECDECODE']._serialized_start=1362
+  _globals['_SPECDECODE']._serialized_end=1502
 # @@protoc_insertion_point(module_scope)
