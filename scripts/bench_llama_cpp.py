@@ -3,7 +3,8 @@
 Six systems, batch 1, greedy, every one producing exactly --max-new-tokens tokens (EOS ignored):
 
 - `llama_target`  llama-server on the target GGUF;
-- `llama_spec`    llama-server on the target with the draft GGUF as its own draft (`-md`, its defaults);
+- `llama_spec`    llama-server on the target with the draft GGUF as its own draft (`--spec-type
+                  draft-simple -md`, its defaults: up to 3 guesses a step);
 - `llama_lookup`  llama-server on the target with its own n-gram lookup (`--spec-type ngram-simple`,
                   its defaults): llama.cpp's prompt lookup, the peer on edit prompts;
 - `specd_target`  `specd up --engine llama.cpp --draft-engine llama.cpp`, speculation off (K = 0);
@@ -44,7 +45,8 @@ from specd.v1 import specdecode_pb2_grpc
 SYSTEMS = ("llama_target", "llama_spec", "llama_lookup", "specd_target", "specd_model", "specd_spec")
 LLAMA_SPECULATION = {  # llama-server's flags for each of its systems
     "llama_target": [],
-    "llama_spec": ["-md", str(gguf_path(find_spec("draft")))],
+    # -md alone loads the draft but does not speculate in this llama-server (--spec-type defaults to none)
+    "llama_spec": ["--spec-type", "draft-simple", "-md", str(gguf_path(find_spec("draft")))],
     "llama_lookup": ["--spec-type", "ngram-simple"],
 }
 DRAFTERS = {"specd_model": "model", "specd_spec": ""}  # "": the orchestrator's default (hybrid)
@@ -256,7 +258,14 @@ if __name__ == "__main__":
         json.dumps(
             {
                 key: result[key]
-                for key in ("median_tokens_per_s", "ratios", "same_tokens_as_specd_target", "specd_spec", "llama_spec")
+                for key in (
+                    "median_tokens_per_s",
+                    "ratios",
+                    "same_tokens_as_specd_target",
+                    "specd_spec",
+                    "llama_spec",
+                    "llama_lookup",
+                )
             },
             indent=2,
         )
