@@ -78,6 +78,7 @@ class Settings:
     temperature: float = 0.0
     seed: int = 0
     draft_tokens: int | None = None  # None: the server's default K; 0: speculation off
+    drafter: str = ""  # "": the server's default drafter
     ignore_eos: bool = True
     timeout: float = 600.0
 
@@ -193,6 +194,19 @@ def speculation_summary(stats: list[specdecode_pb2.SpeculationStats]) -> dict:
         "acceptance_by_position": acceptance_by_position(stats),
         "speculation_off_share": lengths.count(0) / len(lengths) if lengths else None,  # target-only steps
         "mean_draft_length": sum(drafting) / len(drafting) if drafting else None,  # K of the drafting steps
+        **source_summary(stats),
+    }
+
+
+def source_summary(stats: list[specdecode_pb2.SpeculationStats]) -> dict:
+    """Of the drafting steps, the prompt lookup's share, and α of each source (None: it never drafted)."""
+    steps = sum(s.drafting_steps for s in stats)
+    lookup = [sum(getattr(s, f"lookup_{name}") for s in stats) for name in ("steps", "drafted", "accepted")]
+    model = [sum(s.drafted for s in stats) - lookup[1], sum(s.accepted for s in stats) - lookup[2]]
+    return {
+        "lookup_step_share": lookup[0] / steps if steps else None,
+        "lookup_acceptance_rate": lookup[2] / lookup[1] if lookup[1] else None,
+        "model_acceptance_rate": model[1] / model[0] if model[0] else None,
     }
 
 
@@ -230,6 +244,7 @@ def build_request(settings: Settings, index: int) -> specdecode_pb2.GenerateRequ
         temperature=settings.temperature,
         seed=settings.seed + index,
         draft_tokens=settings.draft_tokens,
+        drafter=settings.drafter,
         ignore_eos=settings.ignore_eos,
     )
 
@@ -410,6 +425,7 @@ def _mode_figures(runs: list[dict], index: int, indices: list[int]) -> dict:
         "output_tokens_per_s": run["output_tokens_per_s"],
         "ttft_p50_s": run["ttft_s"]["p50"],
         "acceptance_rate": run["acceptance_rate"],
+        **{key: run.get(key) for key in ("lookup_step_share", "lookup_acceptance_rate", "model_acceptance_rate")},
         "mean_draft_length": run["mean_draft_length"],  # mean K of the drafting steps
         "speculation_off_share": run["speculation_off_share"],  # share of steps with K = 0
         "target_tokens_per_pass": run.get("target_tokens_per_pass"),  # target rows per batched pass

@@ -29,6 +29,8 @@ def summary_table(report: dict):
         "ITL p50/p99 ms",
         "e2e p50/p99 s",
         "α",
+        "α lookup/model",
+        "lookup steps",
         "mean acc. len",
         "mean K",
         "spec off",
@@ -57,6 +59,7 @@ def _table_row(run: dict, repeats: int = 1) -> list[str]:
         f"{_ms(run['itl_s']['p50'])}/{_ms(run['itl_s']['p99'])}",
         f"{_num(run['e2e_s']['p50'], 2)}/{_num(run['e2e_s']['p99'], 2)}",
         _num(run["acceptance_rate"], 2),
+        *_sources(run),
         _num(run["mean_accepted_length"], 2),
         _num(run["mean_draft_length"], 1),
         "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}",
@@ -83,6 +86,8 @@ def comparison_table(report: dict):
         "off TTFT p50 ms",
         "spec/off TTFT",
         "α",
+        "α lookup/model",
+        "lookup steps",
         "mean K",
         "spec off",
         "target rows/pass spec/off",
@@ -100,11 +105,21 @@ def comparison_table(report: dict):
             _ms(off["ttft_p50_s"]),
             _times(entry["ttft_p50_ratio"]),
             _num(spec["acceptance_rate"], 2),
+            *_sources(spec),
             _num(spec["mean_draft_length"], 1),
             "-" if share is None else f"{share:.0%}",
             f"{_num(spec['target_tokens_per_pass'], 1)}/{_num(off['target_tokens_per_pass'], 1)}",
         )
     return table
+
+
+def _sources(run: dict) -> list[str]:
+    """α of each source and the prompt lookup's share of the drafting steps (older reports: "-")."""
+    share = run.get("lookup_step_share")
+    return [
+        f"{_num(run.get('lookup_acceptance_rate'), 2)}/{_num(run.get('model_acceptance_rate'), 2)}",
+        "-" if share is None else f"{share:.0%}",
+    ]
 
 
 def _times(value: float | None) -> str:

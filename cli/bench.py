@@ -24,6 +24,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from specd.cli.common import (
     UserError,
+    add_drafter_flag,
     add_model_flags,
     add_quantize_flag,
     add_stack_device_flags,
@@ -31,7 +32,6 @@ from specd.cli.common import (
     draft_tokens_flag,
     write_report,
 )
-from specd.orchestrator.lookup import DRAFTERS
 
 
 def add_parser(verbs) -> None:
@@ -61,12 +61,7 @@ def add_parser(verbs) -> None:
         metavar="K|auto",
         help="K of specd_spec (default auto: chosen every step by the orchestrator)",
     )
-    parser.add_argument(
-        "--drafter",
-        choices=DRAFTERS,
-        default=None,
-        help="specd_spec's drafter: hybrid (the orchestrator's default), model or ngram (orchestrator/lookup.py)",
-    )
+    add_drafter_flag(parser, "specd_spec's drafter: ", server_default=True)
     parser.add_argument("--draft-model", default="draft", help="default-pair name, local HF directory or hub id")
     parser.add_argument("--target-model", default="target", help="default-pair name, local HF directory or hub id")
     parser.add_argument(

@@ -103,15 +103,17 @@ def add_cuda_graphs_flag(parser: argparse.ArgumentParser, services: str, note: s
     )
 
 
-def add_drafter_flag(parser: argparse.ArgumentParser, note: str = "") -> None:
+def add_drafter_flag(parser: argparse.ArgumentParser, note: str = "", server_default: bool = False) -> None:
+    """--drafter; with server_default, leaving it out means the running orchestrator's own."""
     from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
 
+    default = "default: the orchestrator's" if server_default else "default"
     parser.add_argument(
         "--drafter",
         choices=DRAFTERS,
-        default=DEFAULT_DRAFTER,
-        help=f"{note}who guesses: hybrid (default; each step the prompt lookup or the draft model, "
-        "whichever promises more), model (the draft service only), ngram (prompt lookup only)",
+        default=None if server_default else DEFAULT_DRAFTER,
+        help=f"{note}who guesses: hybrid ({default}; each step the prompt lookup or the draft model, whichever "
+        "promises more), model (the draft service only), ngram (prompt lookup only)",
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from specd.cli.common import UserError, write_report
+from specd.cli.common import UserError, add_drafter_flag, write_report
 
 
 def add_parser(verbs) -> None:
@@ -67,6 +67,7 @@ def add_parser(verbs) -> None:
         "with --compare, the K of the speculative runs",
     )
     parser.add_argument("--no-speculation", action="store_true", help="target only (K = 0)")
+    add_drafter_flag(parser, server_default=True)
     parser.add_argument(
         "--compare",
         action="store_true",
@@ -142,6 +143,7 @@ def _settings(args, loadtest):
         temperature=args.temperature,
         seed=args.seed,
         draft_tokens=0 if args.no_speculation else args.draft_tokens,
+        drafter=args.drafter or "",
         ignore_eos=not args.respect_eos,
         timeout=args.timeout,
     )

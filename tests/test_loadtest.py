@@ -105,7 +105,34 @@ def test_speculation_summary_divides_by_the_steps_that_drafted_each_position():
         "acceptance_by_position": [],
         "speculation_off_share": 1.0,
         "mean_draft_length": None,
+        "lookup_step_share": None,
+        "lookup_acceptance_rate": None,
+        "model_acceptance_rate": None,
     }
+
+
+def test_source_summary_splits_the_drafting_steps_between_the_lookup_and_the_model():
+    stats = [
+        specdecode_pb2.SpeculationStats(
+            drafter="hybrid",
+            drafting_steps=4,
+            drafted=14,
+            accepted=9,
+            lookup_steps=3,
+            lookup_drafted=12,
+            lookup_accepted=8,
+        ),
+        specdecode_pb2.SpeculationStats(drafter="model", drafting_steps=6, drafted=12, accepted=3),
+    ]
+    assert loadtest.source_summary(stats) == pytest.approx(
+        {"lookup_step_share": 3 / 10, "lookup_acceptance_rate": 8 / 12, "model_acceptance_rate": 4 / 14}
+    )
+    only_lookup = [
+        specdecode_pb2.SpeculationStats(
+            drafting_steps=2, drafted=6, accepted=6, lookup_steps=2, lookup_drafted=6, lookup_accepted=6
+        )
+    ]
+    assert loadtest.source_summary(only_lookup)["model_acceptance_rate"] is None
 
 
 def test_calls_per_pass_is_the_mean_batch_of_the_passes_run_between_two_readings():
@@ -277,6 +304,17 @@ async def test_speculation_off_reports_no_acceptance(tiny_stack):
     (run,) = (await loadtest.run_loadtest(settings, requests=2, concurrency=[2]))["runs"]
     assert run["errors"] == {} and run["acceptance_rate"] is None and run["acceptance_by_position"] == []
     assert run["mean_accepted_length"] == 1.0
+
+
+async def test_the_drafter_reaches_every_request_and_the_report_splits_by_source(tiny_stack):
+    address = f"127.0.0.1:{tiny_stack.orchestrator.port}"
+    (model,) = (await loadtest.run_loadtest(settings_for(address, drafter="model"), requests=2, concurrency=[2]))[
+        "runs"
+    ]
+    assert model["errors"] == {} and model["lookup_step_share"] == 0.0 and model["model_acceptance_rate"] is not None
+    report = await loadtest.run_loadtest(settings_for(address, drafter="ngram"), requests=2, concurrency=[2])
+    assert report["settings"]["drafter"] == "ngram"
+    assert report["runs"][0]["model_acceptance_rate"] is None  # ngram never asks the draft model
 
 
 async def test_compare_mode_measures_both_modes_per_concurrency(tiny_stack, tmp_path):
