@@ -159,13 +159,18 @@ class ServiceCosts:
         self.probe_budget -= cost
         return True
 
-    def record_target_pass(self, served: PassCost) -> None:
+    def record_target_pass(self, served: PassCost, longest: int) -> None:
         """B is the streams at the target (the sessions it holds or has calls queued for), not only
         those this pass carried: when speculating streams drift apart (some at the draft) passes
         carry fewer calls than target-only would, and pricing K against that smaller batch would
         favour speculation that broke the batch. The latest count, unsmoothed: when load arrives,
-        the streams starting now must already see it, or each would start by speculating."""
-        self.target_pass.add(served.tokens, served.seconds)
+        the streams starting now must already see it, or each would start by speculating.
+        A pass with a row longer than `longest` (the longest verify: a prefill, a resync) stays out
+        of the fit: a prefill runs in calls of its own whose cost per token is not a verify's (in
+        llama.cpp's batched kernels a prompt token costs a fraction of a scored position), and one
+        such pass would set the slope b for many steps."""
+        if served.tokens <= served.calls * longest:
+            self.target_pass.add(served.tokens, served.seconds)
         self.target_streams = max(served.calls, served.sessions)
 
     def record_verify(self, k: int, seconds: float, rtt: float) -> None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
-from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
+from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, PromptLookup
 from specd.orchestrator.sessions import RemoteSession
@@ -225,6 +225,7 @@ class Generation:
         #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
         #    no guesses it decodes one token. Rejected guesses need no message: each service
         #    truncates to the agreed prefix on its next call (sessions.py).
+        caught_up = self.target.behind(committed)  # > 0: this call also prefills (or resyncs) first
         started = time.perf_counter()
         if guesses:
             verdict, served = await self.target.verify(committed, guesses, proposal.q, self.sampling)
@@ -232,7 +233,7 @@ class Generation:
             verdict, served = await self.target.decode(committed, self.sampling)
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
         verify_time = (time.perf_counter() - started, served)
-        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, lookup=bool(looked_up))
+        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, bool(looked_up), caught_up)
         # 4. Commit what the target emitted, cut at EOS or the token budget.
         return self.commit(list(verdict.emitted_tokens))
 
@@ -285,17 +286,30 @@ class Generation:
         self.draft_gate.succeeded()
         return proposal, (time.perf_counter() - started, served)
 
-    def record(self, k: int, accepted: int, draft: tuple, verify: tuple, behind: int = 0, lookup: bool = False) -> None:
+    def record(
+        self,
+        k: int,
+        accepted: int,
+        draft: tuple,
+        verify: tuple,
+        behind: int = 0,
+        lookup: bool = False,
+        target_behind: int = 0,
+    ) -> None:
         """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds
         or None); behind: the tokens the draft caught up on first; lookup: the prompt lookup guessed
-        (no draft call: the draft falls behind by the step's tokens)."""
+        (no draft call: the draft falls behind by the step's tokens); target_behind: the tokens the
+        target caught up on first (the prompt, on the first step): that call's time is a prefill's,
+        not a decode's or a verify's, and says nothing of t_verify(K)."""
         self.stats.record_times(*draft, *verify)
         self.stats.record_step(k, accepted, lookup)
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
         draft_rtt = draft[0] - draft_s
-        self.costs.record_verify(k, verify_s, network_s - draft_rtt)
+        if not target_behind:
+            self.costs.record_verify(k, verify_s, network_s - draft_rtt)
         if self.target.last_pass:
-            self.costs.record_target_pass(self.target.last_pass)
+            longest = max(self.stats.draft_tokens, DEFAULT_MAX_DRAFT_TOKENS) + 1  # any verify's row
+            self.costs.record_target_pass(self.target.last_pass, longest)
         if k and not lookup:  # after target-only (or lookup) steps the call also caught up on their tokens
             if self.draft_in_step:
                 self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)

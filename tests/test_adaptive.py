@@ -164,7 +164,7 @@ def cpu_like_load(costs: ServiceCosts, calls: int) -> None:
     forward of those rows costs 0.025 s + 0.005 s per row."""
     for tokens_per_call in (1, 5) * 5:
         tokens = calls * tokens_per_call
-        costs.record_target_pass(PassCost(calls, tokens, 0.19 + 0.02 * tokens))
+        costs.record_target_pass(PassCost(calls, tokens, 0.19 + 0.02 * tokens), longest=9)
     for _ in range(10):
         costs.record_draft(4, 9.9, 0.0, PassCost(calls, 5 * calls, 4 * (0.025 + 0.005 * calls)))
 
@@ -189,10 +189,29 @@ def test_the_chooser_prices_k_at_the_load_shrinks_it_turns_it_off_and_back_on():
     assert chooser._best(8) == chosen[1] and chooser.next_k(100) == chosen[1]
 
 
+def test_a_prefill_pass_does_not_set_the_verify_slope():
+    """llama.cpp on an AVX-512 CPU (measured): a decode 56 ms, a verify of 5 positions 220 ms, a
+    200-token prompt 0.5 s (its batched kernels make a prompt token far cheaper than a scored
+    position). Fitted with the prefill, the slope would say a verify costs little more than a
+    decode and the draft pays at α = 1; without it, the chooser rightly stays target-only."""
+    costs = ServiceCosts()
+    costs.record_target_pass(PassCost(calls=1, tokens=201, seconds=0.5), longest=9)  # the first step
+    for _ in range(3):
+        costs.record_target_pass(PassCost(calls=1, tokens=1, seconds=0.056), longest=9)
+        costs.record_target_pass(PassCost(calls=1, tokens=5, seconds=0.22), longest=9)
+    assert costs.target_pass.b == pytest.approx(0.041, rel=0.01)
+    assert costs.verify_seconds(4) == pytest.approx(0.22, rel=0.01)
+    costs.record_verify(0, 0.056, 0.0)
+    costs.record_draft(4, 4 * 0.032, 0.0)
+    chooser = AdaptiveK(costs, max_k=8)
+    chooser.alpha = Ewma(0.0, 1.0)
+    assert chooser._best(8) == 0
+
+
 def test_the_load_is_the_streams_the_target_holds_not_the_calls_a_drifting_pass_carried():
     costs = ServiceCosts()
     for _ in range(20):
-        costs.record_target_pass(PassCost(calls=3, tokens=15, seconds=0.3, sessions=8))
+        costs.record_target_pass(PassCost(calls=3, tokens=15, seconds=0.3, sessions=8), longest=9)
     assert costs.load() == pytest.approx(8.0)
 
 
