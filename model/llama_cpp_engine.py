@@ -7,21 +7,29 @@ positions a row keeps, as float32 on the CPU, where llama.cpp runs.
 
 Exact by construction: speculation must score every position exactly as a plain decode step
 would, or greedy output changes at near-ties (a Q4_K model quantizes each activation row to 8 bits,
-so one rounding apart in a sum can move a logit by 0.5). Measured on the default target (AMD EPYC
-Zen 2, AVX2), against one-token decode steps, K + 1 positions scored in one pass gave bit-identical
-logits only (1) without weight repacking (`use_extra_bufts` off: the repacked kernels take
-another path for 1 row than for several), (2) with each session's KV in a stream of its own (in
-the unified cache a rollback lets a session's next tokens land in cells before its earlier ones,
-and attention sums cells in cell order) and (3) in llama_decode calls of at most 7 tokens (from 8
-rows on ggml takes a tiled K-quant matmul whose sums differ). So the positions a pass keeps
-logits for (a decode step's one, a verify's K + 1) share calls of 7 tokens, whatever their
-sessions, and the tokens before them in a row (a prompt, a catch-up) run first, in calls of 512 of
-their own: a prompt is prefilled by the same calls with speculation on or off, and every position
-after it is scored by the one-row kernels in both.
+so one rounding apart in a sum can move a logit by 0.5). So the positions a pass keeps logits for
+(a decode step's one, a verify's K + 1) go through llama_decode in calls of at most `call_tokens`
+positions, whatever their sessions, and the tokens before them in a row (a prompt, a catch-up)
+run first, in calls of 512 of their own: a prompt is prefilled by the same calls with speculation
+on or off, and every position after it is scored by the one-row kernels in both. Each session's
+KV has a stream of its own (`kv_unified` off): in the unified cache a rollback lets a session's
+next tokens land in cells before its earlier ones, and attention sums cells in cell order.
+
+How many positions one call may score depends on the weights' kernels (ggml-cpu):
+- repacked weights (`use_extra_bufts`, llama.cpp's default: Q4_K/Q5_K/Q6_K/Q8_0 interleaved for
+  AVX2/AVX-512): a matmul of 4 rows or more takes the gemm kernel, whose sums differ from the
+  one-row gemv; up to 3 rows each row goes through gemv, as a decode step does. So calls of 3.
+- plain weights: up to 7 rows take the one-row kernel; from 8 on, a tiled K-quant matmul.
+Repacked is the faster (measured on the default target, AMD EPYC Zen 4, AVX-512, 2 threads: a
+decode step 32 ms against 37 ms; 5 positions in calls of 3 + 2, 114 ms, against one call of 5,
+119 ms). Other CPUs may add buffer types of their own (AMX on Intel), so the engine does not take
+this on trust: at load it scores a few positions both ways (`_exact`) and takes the first setting
+of EXACT_SETTINGS that is bit-for-bit exact on this CPU, else one position per call.
 Not thread-safe: the service's model thread is its only caller.
 """
 
 import ctypes
+import logging
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -37,10 +45,11 @@ from specd.model.loading import tokenizer_files, tokenizer_fingerprint
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
 BATCH_TOKENS = 512  # tokens per llama_decode call of a row's tokens before those it keeps logits for
-# Tokens per llama_decode call of the positions rows keep logits for (a decode step, a verify's
-# K + 1): ggml takes its tiled K-quant matmul from 8 rows on (ggml-cpu/tiled: ggml_tiled_min_batch),
-# whose sums differ from the one-row kernel's. Below it, K + 1 positions score as K + 1 decode steps.
-EXACT_CALL_TOKENS = 7
+# (repacked weights, positions one call may score) tried in order: see the module's docstring
+EXACT_SETTINGS = ((True, 3), (False, 7))
+PROBE_TOKENS = 8  # the self-test's context before the positions it scores
+
+log = logging.getLogger(__name__)
 
 
 class LlamaCppEngine:
@@ -59,8 +68,35 @@ class LlamaCppEngine:
         set_verbose(False)  # llama.cpp logs every load and context on stderr; errors only
         llama.llama_backend_init()
         self.tokenizer = tokenizer
+        self.sequences: dict[str, int] = {}  # session id -> its seq id
+        self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
+        self.free = list(range(sessions - 1, -1, -1))
+        for repacked, call_tokens in EXACT_SETTINGS:
+            self._load(gguf, repacked, threads, sessions, session_tokens)
+            self.repacked, self.call_tokens = repacked, call_tokens
+            if self._exact():
+                break
+            self._unload()
+        else:  # no setting scores several positions as decode steps do: one per call always does
+            self._load(gguf, False, threads, sessions, session_tokens)
+            self.repacked, self.call_tokens = False, 1
+        weights = "repacked" if self.repacked else "plain"
+        log.info("%s: %s weights, %d scored positions per llama_decode call (exact)", name, weights, self.call_tokens)
+        self.description = ModelDescription(
+            name=name,
+            vocab_size=self.vocab_size,
+            max_positions=min(llama.llama_model_n_ctx_train(self.model), llama.llama_n_ctx_seq(self.context)),
+            dtype="gguf",
+            device="cpu",
+            eos_token_ids=eos_token_ids,
+            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+            quantization=_file_type(self.model),
+            max_sessions=sessions,
+        )
+
+    def _load(self, gguf: Path, repacked: bool, threads: int, sessions: int, session_tokens: int) -> None:
         model_params = llama.llama_model_default_params()
-        model_params.use_extra_bufts = False  # no repacked weights: see the module's docstring
+        model_params.use_extra_bufts = repacked
         self.model = llama.llama_model_load_from_file(str(gguf).encode(), model_params)
         if not self.model:
             raise ValueError(f"llama.cpp could not load {gguf}")
@@ -78,20 +114,25 @@ class LlamaCppEngine:
         self.batch = llama.llama_batch_init(BATCH_TOKENS, 0, 1)
         self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
         self.n_ctx = llama.llama_n_ctx(self.context)
-        self.sequences: dict[str, int] = {}  # session id -> its seq id
-        self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
-        self.free = list(range(sessions - 1, -1, -1))
-        self.description = ModelDescription(
-            name=name,
-            vocab_size=self.vocab_size,
-            max_positions=min(llama.llama_model_n_ctx_train(self.model), llama.llama_n_ctx_seq(self.context)),
-            dtype="gguf",
-            device="cpu",
-            eos_token_ids=eos_token_ids,
-            tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
-            quantization=_file_type(self.model),
-            max_sessions=sessions,
-        )
+
+    def _exact(self) -> bool:
+        """Whether every call of 2..call_tokens positions gives bit for bit a decode step's logits at each."""
+        tokens = [(7 * i + 3) % self.vocab_size for i in range(PROBE_TOKENS + self.call_tokens)]
+        steps = [self.forward([Row("probe", tokens[: PROBE_TOKENS + 1], 1)])[0]]
+        steps += [self.forward([Row("probe", [token], 1)])[0] for token in tokens[PROBE_TOKENS + 1 :]]
+        exact = True
+        for n in range(2, self.call_tokens + 1):
+            self.crop("probe", PROBE_TOKENS)
+            scored = self.forward([Row("probe", tokens[PROBE_TOKENS : PROBE_TOKENS + n], n)])[0]
+            exact = exact and torch.equal(scored, torch.cat(steps[:n]))
+        self.release("probe")
+        return exact
+
+    def _unload(self) -> None:
+        llama.llama_batch_free(self.batch)
+        llama.llama_free(self.context)
+        llama.llama_model_free(self.model)
+        self.batch = self.context = self.model = None
 
     def __del__(self):
         if getattr(self, "batch", None) is not None:
@@ -116,7 +157,7 @@ class LlamaCppEngine:
         starts = [self.lengths[row.session_id] for row in rows]
         out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
         try:
-            for call in _calls(rows):
+            for call in _calls(rows, self.call_tokens):
                 self._decode(rows, starts, out, call)
         except BaseException:
             for row, start in zip(rows, starts):
@@ -172,10 +213,10 @@ class LlamaCppEngine:
         return tokenizer_files(self.tokenizer)
 
 
-def _calls(rows: list[Row]) -> list[list[tuple[int, int]]]:
+def _calls(rows: list[Row], call_tokens: int) -> list[list[tuple[int, int]]]:
     """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
     before the ones it keeps logits for (a prefill, a catch-up) in calls of BATCH_TOKENS of its own,
-    then the kept positions of every row together in calls of EXACT_CALL_TOKENS."""
+    then the kept positions of every row together in calls of `call_tokens`."""
     calls = []
     for index, row in enumerate(rows):
         head = len(row.tokens) - row.keep_logits
@@ -188,7 +229,7 @@ def _calls(rows: list[Row]) -> list[list[tuple[int, int]]]:
         for index, row in enumerate(rows)
         for offset in range(len(row.tokens) - row.keep_logits, len(row.tokens))
     ]
-    return calls + [kept[start : start + EXACT_CALL_TOKENS] for start in range(0, len(kept), EXACT_CALL_TOKENS)]
+    return calls + [kept[start : start + call_tokens] for start in range(0, len(kept), call_tokens)]
 
 
 def _file_type(model) -> str:

@@ -9,7 +9,7 @@ from conftest import DEVICES
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded
-from specd.model.llama_cpp_engine import BATCH_TOKENS, LlamaCppEngine
+from specd.model.llama_cpp_engine import BATCH_TOKENS, EXACT_SETTINGS, LlamaCppEngine
 from specd.model.loading import load_engine, tokenizer_fingerprint
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor
@@ -252,6 +252,24 @@ def test_llama_cpp_verify_scores_as_decode_steps(tiny_gguf):
     engine.release("other")
     scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", PROMPTS[1], 2)])[0]
     assert_same(scored, torch.cat(steps[9:]))
+
+
+def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_per_call(tiny_gguf, monkeypatch):
+    """The self-test at load (model/llama_cpp_engine.py: EXACT_SETTINGS) decides, not an assumption:
+    a setting it refuses is unloaded and the next one tried; with none, one position per call."""
+    tried = []
+    exact = LlamaCppEngine._exact
+    monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: tried.append(engine.call_tokens) or exact(engine))
+    engine = llama_cpp(tiny_gguf)
+    assert tried[0] == EXACT_SETTINGS[0][1]
+    # The tiny float32 GGUF's matmuls take tiled kernels for several rows: no setting is bit-exact.
+    assert tried == [calls for _, calls in EXACT_SETTINGS] and (engine.repacked, engine.call_tokens) == (False, 1)
+    monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: engine.call_tokens == EXACT_SETTINGS[1][1])
+    engine = llama_cpp(tiny_gguf)
+    assert (engine.repacked, engine.call_tokens) == EXACT_SETTINGS[1]
+    tokens = PROMPTS[2] + [5, 6, 7]
+    steps = [feed(engine, "decode", tokens[:1])] + [feed(engine, "decode", [token]) for token in tokens[1:]]
+    assert_same(feed(engine, "verify", tokens, keep=4), torch.cat(steps[-4:]))
 
 
 def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_are_reused(tiny_gguf):

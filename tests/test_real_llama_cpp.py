@@ -55,19 +55,22 @@ async def test_the_services_run_the_gguf_files(llama_stack):
 
 async def test_a_verify_scores_bit_for_bit_as_decode_steps(llama_stack):
     """What makes speculation exact on this engine (model/llama_cpp_engine.py): the target's logits
-    for K + 1 positions at once equal its one-token decode steps', after rollbacks and beside others."""
+    for K + 1 positions at once equal its one-token decode steps', after rollbacks and beside others.
+    Both sessions prefill the prompt alike, as a request does with speculation on or off."""
     engine = llama_stack.services.target_server.thread.service.engine
     tokens = engine.tokenizer("def quicksort(items):\n    if len(items) <= 1:\n        return items").input_ids
-    steps = [engine.forward([Row("decode", tokens[:1], 1)])[0]]
-    steps += [engine.forward([Row("decode", [token], 1)])[0] for token in tokens[1:]]
-    engine.forward([Row("verify", tokens[:4], 0)])
-    engine.forward([Row("other", tokens[:7], 1), Row("verify", tokens[4:9] + [11, 12], 7)])
+    prompt = tokens[:4]
+    steps = [engine.forward([Row("decode", prompt, 1)])[0]]  # steps[i]: the logits at position 3 + i
+    steps += [engine.forward([Row("decode", [token], 1)])[0] for token in tokens[4:]]
+    engine.forward([Row("verify", prompt, 1)])
+    first = engine.forward([Row("other", tokens[:7], 1), Row("verify", tokens[4:9] + [11, 12], 7)])[1]
     engine.crop("verify", 9)
     engine.release("other")
     scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", tokens[:3], 2)])[0]
     for session_id in ("decode", "verify", "third"):
         engine.release(session_id)
-    assert torch.equal(scored, torch.cat(steps[9:]))
+    assert torch.equal(first[:5], torch.cat(steps[1:6]))  # positions 4..8, before the rollback
+    assert torch.equal(scored, torch.cat(steps[6:]))  # positions 9.., after it
 
 
 @pytest.mark.parametrize("k", [1, 3, 5, None])  # None: K chosen every step
