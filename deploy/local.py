@@ -212,7 +212,8 @@ class LocalStack:
 # Set in both model services by `specd up` (issue 21, README `specd up`): an OpenMP thread that has
 # done its part of an operation sleeps instead of spinning (libgomp, torch's OpenMP on Linux, spins
 # for ~300,000 iterations by default), so a service that waits for its next call leaves the cores
-# to the one that computes instead of burning them.
+# to the one that computes instead of burning them. Not for ggml's threads, which meet at a barrier
+# after every op: a service on the llama.cpp engine drops it (cli/serve.py: let_ggml_threads_spin).
 SHARED_CORES_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

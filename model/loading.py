@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from specd.model.store import find_gguf
 from specd.proto.limits import AUTO_CACHED_TOKENS, ENGINES, QUANTIZATIONS, Limits
 
 
@@ -148,17 +149,6 @@ def tokenizer_files(tokenizer: PreTrainedTokenizerBase) -> dict[str, bytes]:
 # session (model/llama_cpp_engine.py): this many tokens in all when --max-cached-tokens is auto
 # (float16 KV: 3.7 GB for the 1.5B target, 1.6 GB for the 0.5B draft), so 16 sessions of 8,192.
 LLAMA_CPP_CACHED_TOKENS = 131_072
-
-
-def find_gguf(name_or_path: str) -> Path | None:
-    """The GGUF file a model name stands for: a default-pair name's pinned GGUF in the model cache
-    (`specd models fetch` keeps it), or a path to a .gguf file; None if there is none."""
-    from specd.model.store import find_spec, gguf_path
-
-    if name_or_path.endswith(".gguf"):
-        return Path(name_or_path) if Path(name_or_path).is_file() else None
-    spec = find_spec(name_or_path)
-    return gguf_path(spec) if spec is not None and gguf_path(spec).is_file() else None
 
 
 def choose_engine(choice: str, name_or_path: str, device: torch.device) -> str:

@@ -156,6 +156,15 @@ def _module_name(package: str) -> str:
 # --- public API --------------------------------------------------------------------------
 
 
+def find_gguf(name_or_path: str) -> Path | None:
+    """The GGUF file a model name stands for: a default-pair name's pinned GGUF in the model cache
+    (`specd models fetch` keeps it), or a path to a .gguf file; None if there is none."""
+    if name_or_path.endswith(".gguf"):
+        return Path(name_or_path) if Path(name_or_path).is_file() else None
+    spec = find_spec(name_or_path)
+    return gguf_path(spec) if spec is not None and gguf_path(spec).is_file() else None
+
+
 def fetch(specs: Iterable[ModelSpec] = DEFAULT_PAIR, progress: bool = True) -> list[Path]:
     """Download, verify and convert each model unless already done; returns the model dirs."""
     return [_fetch_one(spec, progress) for spec in specs]

@@ -269,6 +269,8 @@ class AdaptiveK:
         self.max_k = max_k
         self.alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.alpha.value)
         self.lookup_alpha = Ewma(REQUEST_ALPHA_WEIGHT, costs.lookup_alpha.value)  # the prompt lookup's own
+        self.lookup_off = 0  # steps the lookup had guesses and was passed over for target-only
+        self.lookup_every = PROBE_MIN_STEPS  # its probe schedule: doubling while probes fail
         self.off_steps = 0
         self.probe_every = PROBE_MIN_STEPS
         self.on: bool | None = None  # did the last choice draft (None: none yet)? On: K > 0 has no switch-on price
@@ -313,7 +315,8 @@ class AdaptiveK:
         """K for the prompt lookup's `found` guesses, or 0 where the model's guess (or none) promises
         more: lookup guesses cost no draft time and no draft round trip, only the longer verify, so
         they are priced at their own α with t_draft = 0 against target-only and (`model`: the
-        request may use the draft model) the model's best K."""
+        request may use the draft model) the model's best K. Where target-only wins, one guess now
+        and then (doubling the wait while they fail) measures the lookup's α again."""
         costs = self.costs
         max_k = min(self.max_k, tokens_left - 1, found)
         if max_k < 1 or 0 not in costs.verify_by_k:
@@ -324,16 +327,30 @@ class AdaptiveK:
             return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, rtt + (rtt_draft if k else 0))
 
         k = max(range(1, max_k + 1), key=lambda k: rate(self.lookup_alpha.value, k))
-        rivals = [rate(1.0, 0)]  # target-only
+        off = rate(1.0, 0)  # target-only
+        model_rate = 0.0
         if model and costs.ready():
             model_k = self._best(min(self.max_k, tokens_left - 1), behind, tokens_left, margin=not self.on)
-            rivals.append(rate(self.model_alpha(), model_k, costs.draft_seconds() or 0.0, costs.rtt_draft.value or 0.0))
-        return k if rate(self.lookup_alpha.value, k) > max(rivals) else 0
+            model_rate = rate(self.model_alpha(), model_k, costs.draft_seconds() or 0.0, costs.rtt_draft.value or 0.0)
+        if rate(self.lookup_alpha.value, k) > max(off, model_rate):
+            self.lookup_off, self.lookup_every = 0, PROBE_MIN_STEPS
+            return k
+        if model_rate > off:
+            return 0  # the draft model's turn
+        # Target-only beats both: a probe now and then (the model's schedule) keeps the lookup's α
+        # current, or one low estimate would never be revised. It costs one more scored position.
+        self.lookup_off += 1
+        if self.lookup_off < self.lookup_every:
+            return 0
+        self.lookup_off, self.lookup_every = 0, min(2 * self.lookup_every, PROBE_MAX_STEPS)
+        return 1
 
     def observe(self, k: int, accepted: int, lookup: bool = False) -> None:
         """One speculative step: `accepted` of `k` guesses (the prompt lookup's, or the model's).
         Guesses after the first rejection say nothing."""
         request, worker = (self.lookup_alpha, self.costs.lookup_alpha) if lookup else (self.alpha, self.costs.alpha)
+        if lookup and accepted == k:
+            self.lookup_every = PROBE_MIN_STEPS  # the text repeats here: look again soon
         for outcome in [1.0] * accepted + [0.0] * (accepted < k):
             request.add(outcome)
             worker.add(outcome)

@@ -6,7 +6,7 @@ import torch
 
 from specd.model.acceptance import accept_draft
 from specd.model.sampling import Sampling
-from specd.orchestrator.adaptive import AdaptiveK, ServiceCosts
+from specd.orchestrator.adaptive import PROBE_MAX_STEPS, PROBE_MIN_STEPS, AdaptiveK, ServiceCosts
 from specd.orchestrator.lookup import PromptLookup
 
 
@@ -104,6 +104,26 @@ def test_where_verifying_is_costly_only_a_confident_lookup_pays():
     costs = measured(decode=0.1, verify_per_token=0.06, draft=0.05, alpha=0.3)
     assert chooser(costs, lookup_alpha=0.3).lookup_k(100, found=8, model=False) == 0
     assert chooser(costs, lookup_alpha=0.95).lookup_k(100, found=8, model=False) >= 1
+
+
+def test_a_lookup_passed_over_for_target_only_is_probed_now_and_then():
+    """llama.cpp on a CPU (each verified token 0.6 of a decode): at a low α the lookup loses to
+    target-only, but a guess every few steps (the model's probe schedule, doubling while they fail)
+    keeps its α current; a kept guess looks again soon, and enough of them turn it on."""
+    costs = measured(decode=0.1, verify_per_token=0.06, draft=0.05, alpha=0.3)
+    chosen = chooser(costs, lookup_alpha=0.5)
+    assert [chosen.lookup_k(100, found=8) for _ in range(PROBE_MIN_STEPS)] == [0] * (PROBE_MIN_STEPS - 1) + [1]
+    chosen.observe(1, 0, lookup=True)  # the probe failed: wait twice as long
+    waits = [chosen.lookup_k(100, found=8) for _ in range(2 * PROBE_MIN_STEPS)]
+    assert waits == [0] * (2 * PROBE_MIN_STEPS - 1) + [1]
+    chosen.observe(1, 1, lookup=True)  # kept
+    assert [chosen.lookup_k(100, found=8) for _ in range(PROBE_MIN_STEPS)][-1] == 1
+    for _ in range(8):
+        chosen.observe(1, 1, lookup=True)
+    assert chosen.lookup_k(100, found=8) >= 1  # confident now: chosen outright
+    # Where the draft model beats target-only, the model's guesses go on: no lookup probes.
+    model_wins = chooser(measured(decode=0.1, verify_per_token=0.002, draft=0.01, alpha=0.8), lookup_alpha=0.05)
+    assert [model_wins.lookup_k(100, found=8) for _ in range(3 * PROBE_MAX_STEPS)] == [0] * (3 * PROBE_MAX_STEPS)
 
 
 def test_lookup_and_model_learn_their_own_alpha():

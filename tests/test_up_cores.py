@@ -114,3 +114,26 @@ def test_specd_up_starts_its_services_with_their_share_of_the_cores(tiny_dirs, t
             up.wait()
     gone, alive = psutil.wait_procs(list(services.values()), timeout=30)
     assert not alive, "specd up must stop its services"
+
+
+@pytest.mark.parametrize(
+    "flags, spins",
+    [
+        (["--engine", "llama.cpp"], True),
+        (["--engine", "transformers"], False),
+        (["--engine", "auto"], True),  # on the CPU with a .gguf file
+        (["--engine", "auto", "--device", "cuda"], False),  # a target on a GPU runs transformers
+    ],
+)
+def test_a_llama_cpp_service_drops_the_passive_wait_policy(flags, spins, tiny_gguf, monkeypatch):
+    """ggml's threads meet at an OpenMP barrier after every op: under OMP_WAIT_POLICY=PASSIVE each one
+    sleeps and wakes them (cli/serve.py: let_ggml_threads_spin). torch's threads keep it."""
+    from specd.cli.serve import let_ggml_threads_spin
+
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    args = build_parser().parse_args(["serve", "target", "--model", str(tiny_gguf["target"]), *flags])
+    let_ggml_threads_spin(args)
+    assert ("OMP_WAIT_POLICY" not in os.environ) == spins
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+    let_ggml_threads_spin(build_parser().parse_args(["serve", "target", "--model", "/no/such/dir", "--engine", "auto"]))
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"  # no GGUF: transformers
