@@ -26,6 +26,7 @@ class ModelDescription:
     tokenizer_fingerprint: str  # equal on both sides means they agree on token ids
     quantization: str = "none"
     max_sessions: int | None = None  # the most sessions the engine can hold; None: no bound of its own
+    padded: bool = True  # a batched pass computes every row as long as its longest (else each row's own)
 
 
 @dataclass(frozen=True)

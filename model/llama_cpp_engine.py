@@ -92,6 +92,7 @@ class LlamaCppEngine:
             tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
             quantization=_file_type(self.model),
             max_sessions=sessions,
+            padded=False,  # each row's own positions: calls are laid out by position, not padded
         )
 
     def _load(self, gguf: Path, repacked: bool, threads: int, sessions: int, session_tokens: int) -> None:

@@ -41,7 +41,7 @@ class Pass:
     """One run of the model over a batch of calls: what the orchestrator's K chooser prices."""
 
     calls: int
-    tokens: int  # positions it computed: every call as long as its longest (a padded pass, model/batch.py)
+    tokens: int  # positions it computed: padded, every call as long as its longest (model/batch.py); else their sum
     seconds: float  # compute time, no queueing
 
 
@@ -64,6 +64,7 @@ class Scheduler:
         self.batch_sizes: Counter[int] = Counter()  # calls per batched pass -> passes run
         self.batched_tokens = 0  # new tokens over those passes
         self.served_last: set[str] = set()  # sessions of the last batched pass: likely back soon
+        self.padded = True  # the engine's passes compute every call as long as its longest (ModelDescription)
         self.thread = threading.Thread(target=self._serve, name="model", daemon=True)
         self.thread.start()
 
@@ -154,7 +155,9 @@ class Scheduler:
             results = live[0].run([job.payload for job in live])
         except BaseException as error:  # a bug or out of memory: every call in the pass fails with it
             results = [error] * len(live)
-        served = Pass(len(live), len(live) * max(job.cost for job in live), time.perf_counter() - started)
+        costs = [job.cost for job in live]
+        tokens = len(live) * max(costs) if self.padded else sum(costs)
+        served = Pass(len(live), tokens, time.perf_counter() - started)
         for job, result in zip(live, results):
             job.served_by = served
             if isinstance(result, BaseException):

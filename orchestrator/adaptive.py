@@ -12,8 +12,10 @@ over 0..max_k, from running estimates: α per request (starting from the worker'
 average), the costs per worker (shared by its requests, so they follow the load).
 
 Under load t_verify(K) is priced at the load: the services say, with every batched call, how
-many calls the pass that served it carried and how many positions it computed (each call padded
-to the longest: one verify among decodes makes them all K + 1 long), what it cost and how many
+many calls the pass that served it carried and how many positions it computed (in transformers
+each call padded to the longest: one verify among decodes makes them all K + 1 long; in llama.cpp
+the calls' own, whose cost is per position: counted padded, a verify among 7 decodes would say
+40 positions for 12 computed, and the slope would price verifying at a third), what it cost and how many
 sessions the service holds, and the worker fits a pass's seconds as a + b·tokens over recent
 passes. With B streams (the sessions held, at least the calls per pass), every stream drafting K
 puts B·(K + 1) tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
@@ -100,7 +102,7 @@ class PassCost:
     """One batched pass of a service, as it reports it with each call it served."""
 
     calls: int
-    tokens: int  # positions computed: its calls, each padded to the longest
+    tokens: int  # positions computed: its calls, each padded to the longest where the engine pads
     seconds: float  # compute, no queueing
     sessions: int = 0  # sessions the service held: the streams a pass could carry
 

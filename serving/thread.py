@@ -29,6 +29,7 @@ class ModelThread:
         self.service = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_service()])))
         limits = self.service.limits
         self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens, limits.batch_wait_ms / 1000)
+        self.scheduler.padded = self.service.engine.description.padded
         return self.service
 
     async def run(self, method: Callable, *args):

@@ -195,6 +195,24 @@ def test_a_long_call_runs_in_a_pass_of_its_own():
     scheduler.close()
 
 
+def test_an_engine_that_does_not_pad_reports_the_positions_its_calls_computed():
+    """llama.cpp lays a pass out by position (ModelDescription.padded False): a verify of 6 among two
+    decodes computes 8 positions, not 18, and the K chooser's slope is per position computed."""
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8))
+    scheduler.padded = False
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    jobs = [
+        Job(run_recording(passes), i, kind="verify", cost=c, session_id=f"s{i}") for i, c in ((1, 1), (2, 6), (3, 1))
+    ]
+    futures = [scheduler.submit(job) for job in jobs]
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30] and blocker.result(5) == 0
+    assert {(job.served_by.calls, job.served_by.tokens) for job in jobs} == {(3, 8)}
+    scheduler.close()
+
+
 def test_scheduler_runs_an_oversized_call_and_skips_abandoned_ones():
     passes = []
     scheduler = Scheduler(Bounds(max_batch_size=4, max_batch_tokens=8))

@@ -267,6 +267,7 @@ def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: engine.call_tokens == EXACT_SETTINGS[1][1])
     engine = llama_cpp(tiny_gguf)
     assert (engine.repacked, engine.call_tokens) == EXACT_SETTINGS[1]
+    assert not engine.description.padded  # its passes cost what their rows hold (model/scheduler.py)
     tokens = PROMPTS[2] + [5, 6, 7]
     steps = [feed(engine, "decode", tokens[:1])] + [feed(engine, "decode", [token]) for token in tokens[1:]]
     assert_same(feed(engine, "verify", tokens, keep=4), torch.cat(steps[-4:]))
