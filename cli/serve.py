@@ -225,7 +225,7 @@ def let_ggml_threads_spin(args: argparse.Namespace) -> None:
     service that will run the llama.cpp engine (`--engine llama.cpp`, or auto with the model's GGUF
     at hand, not on a GPU). ggml's CPU threads meet at an OpenMP barrier after every op, hundreds a
     token, and under PASSIVE each barrier puts them to sleep and wakes them: a decode step of the
-    default target took 43 ms against 28 (AMD EPYC Zen 4, 2 threads). ggml shares torch's libgomp
+    default target took 43 ms against 28 (AMD EPYC Zen 5, 2 threads). ggml shares torch's libgomp
     (one soname), which reads the variable once, when torch loads: hence here, before that. Without
     it, libgomp spins a moment at a barrier, then sleeps."""
     from specd.model.store import find_gguf  # torch-free
