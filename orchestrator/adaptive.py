@@ -47,7 +47,11 @@ then returns only when the chooser itself says the catch-up pays.
 
 Probes are paid from a budget the worker keeps over all its requests: each target-only step adds
 PROBE_BUDGET of its time, and a probe spends what it is expected to cost beyond a decode (the
-draft's catch-up, its guess, the longer verify). Where speculation does not pay for good (a CPU
+draft's catch-up, its guess, the longer verify), to every stream of the pass: under load the longer
+verify delays all B of them and the draft works beside their pass, so a probe costs B times as much
+(measured on the llama.cpp engine at 8 streams, unpriced probes made speculation 22 % slower than
+off). A prompt lookup passed over for target-only is probed from the same budget (one guess: only
+the longer verify). Where speculation does not pay for good (a CPU
 whose verify costs several decode steps), a stream of short requests then probes a few percent of
 the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
 probes alone (3 per 64-token request, each first catching the draft up on its prompt) made
@@ -152,9 +156,13 @@ class ServiceCosts:
     probe_budget: float = 0.0  # seconds of probing the worker's target-only steps have paid for
     lookup_alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, LOOKUP_ALPHA_PRIOR))
 
-    def spend_on_probe(self, behind: int, k: int) -> bool:
-        """Whether the budget holds a probe of K after `behind` tokens of catch-up; if so, spend it."""
-        cost = self.catchup_seconds(behind) + k * (self.draft_seconds() or 0.0)
+    def spend_on_probe(self, behind: int, k: int, draft: bool = True) -> bool:
+        """Whether the budget holds a probe of K after `behind` tokens of catch-up (draft: the draft
+        model's; else the prompt lookup's, which costs only the longer verify); if so, spend it.
+        Every stream pays for it: the longer verify lengthens the pass all B streams wait for
+        (t_verify at the load says so), and the draft's catch-up and guesses run beside that pass
+        on shared cores (priced B times, as the switch-on is)."""
+        cost = self.load() * (self.catchup_seconds(behind) + k * (self.draft_seconds() or 0.0)) if draft else 0.0
         cost += max(0.0, (self.verify_seconds(k) or 0.0) - (self.verify_seconds(0) or 0.0))
         if cost > self.probe_budget:
             return False
@@ -342,7 +350,7 @@ class AdaptiveK:
         # Target-only beats both: a probe now and then (the model's schedule) keeps the lookup's α
         # current, or one low estimate would never be revised. It costs one more scored position.
         self.lookup_off += 1
-        if self.lookup_off < self.lookup_every:
+        if self.lookup_off < self.lookup_every or not costs.spend_on_probe(0, 1, draft=False):
             return 0
         self.lookup_off, self.lookup_every = 0, min(2 * self.lookup_every, PROBE_MAX_STEPS)
         return 1

@@ -344,3 +344,16 @@ def test_probes_are_paid_from_the_workers_budget_across_its_requests():
     assert 1 <= probes <= 640 * PROBE_BUDGET / probe_cost + 1  # what the off steps paid for, no more
     assert probes < 40  # per-request probing would have probed in every request, at its step 4
     assert 0 <= costs.probe_budget < probe_cost + PROBE_BUDGET * 16
+
+
+def test_under_load_a_probe_costs_every_stream_of_the_pass():
+    """At B streams the draft's catch-up and guesses run beside the pass all B wait for: a budget that
+    holds a model probe at B = 1 does not at B = 8; a lookup probe costs only the longer verify."""
+    costs = measured_costs(0.15, {0: 1.0, 1: 2.0, 8: 6.0}, alpha=0.3)
+    quiet = costs.catchup_seconds(20) + 0.15 + (costs.verify_seconds(1) - 1.0)
+    costs.probe_budget = 1.5 * quiet
+    costs.target_streams = 8
+    assert not costs.spend_on_probe(20, 1) and costs.probe_budget == 1.5 * quiet
+    assert costs.spend_on_probe(20, 1, draft=False)  # the lookup's: no catch-up, no guesses
+    costs.target_streams, costs.probe_budget = 1, 1.5 * quiet
+    assert costs.spend_on_probe(20, 1) and costs.probe_budget == pytest.approx(0.5 * quiet)
