@@ -50,10 +50,10 @@ PROBE_BUDGET of its time, and a probe spends what it is expected to cost beyond 
 draft's catch-up, its guess, the longer verify), to every stream of the pass: under load the longer
 verify delays all B of them and the draft works beside their pass, so a probe costs B times as much
 (measured on the llama.cpp engine, 2 cores, 8 streams: priced as one stream's, probes left
-speculation at 0.78× off; priced at the load, 1.06×). A prompt lookup passed over for target-only is probed from the same budget (one guess: only
-the longer verify). Where speculation does not pay for good (a CPU
-whose verify costs several decode steps), a stream of short requests then probes a few percent of
-the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
+speculation at 0.78× off; priced at the load, 1.06×). A prompt lookup passed over for target-only
+is probed from the same budget (one guess: only the longer verify). Where speculation does not pay
+for good (a CPU whose verify costs several decode steps), a stream of short requests then probes a
+few percent of the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
 probes alone (3 per 64-token request, each first catching the draft up on its prompt) made
 speculation 19 % slower than off (scripts/bench_llama_cpp.py).
 """
