@@ -51,7 +51,7 @@ draft's catch-up, its guess, the longer verify), to every stream of the pass: un
 verify delays all B of them and the draft works beside their pass, so a probe costs B times as much
 (measured on the llama.cpp engine, 2 cores, 8 streams: priced as one stream's, probes left
 speculation at 0.78× off; priced at the load, 1.06×). A prompt lookup passed over for target-only
-is probed from the same budget (one guess: only the longer verify). Where speculation does not pay
+is probed from the same budget under load (one guess: the longer verify). Where speculation does not pay
 for good (a CPU whose verify costs several decode steps), a stream of short requests then probes a
 few percent of the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
 probes alone (3 per 64-token request, each first catching the draft up on its prompt) made
@@ -350,8 +350,10 @@ class AdaptiveK:
         # Target-only beats both: a probe now and then (the model's schedule) keeps the lookup's α
         # current, or one low estimate would never be revised. It costs one more scored position.
         self.lookup_off += 1
-        if self.lookup_off < self.lookup_every or not costs.spend_on_probe(0, 1, draft=False):
+        if self.lookup_off < self.lookup_every:
             return 0
+        if costs.load() >= SHARED_LOAD and not costs.spend_on_probe(0, 1, draft=False):
+            return 0  # under load its longer verify delays every stream: paid from the budget
         self.lookup_off, self.lookup_every = 0, min(2 * self.lookup_every, PROBE_MAX_STEPS)
         return 1
 
