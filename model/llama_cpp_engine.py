@@ -20,11 +20,11 @@ How many positions one call may score depends on the weights' kernels (ggml-cpu)
   AVX2/AVX-512): a matmul of 4 rows or more takes the gemm kernel, whose sums differ from the
   one-row gemv; up to 3 rows each row goes through gemv, as a decode step does. So calls of 3.
 - plain weights: up to 7 rows take the one-row kernel; from 8 on, a tiled K-quant matmul.
-Repacked is the faster (measured on the default target, AMD EPYC Zen 5, family 26, AVX-512, 2 threads: a
-decode step 32 ms against 37 ms; 5 positions in calls of 3 + 2, 114 ms, against one call of 5,
-119 ms). Other CPUs may add buffer types of their own (AMX on Intel), so the engine does not take
-this on trust: at load it scores a few positions both ways (`_exact`) and takes the first setting
-of EXACT_SETTINGS that is bit-for-bit exact on this CPU, else one position per call.
+Repacked is the faster (measured on the default target, AMD EPYC Zen 5, family 26, AVX-512, 2
+threads: a decode step 32 ms against 37 ms; 5 positions in calls of 3 + 2, 114 ms, against one call
+of 5, 119 ms). Other CPUs may add buffer types of their own (AMX on Intel), so the engine does not
+take this on trust: at load it scores a few positions both ways (`_exact`) and takes the first
+setting of EXACT_SETTINGS that is bit-for-bit exact on this CPU, else one position per call.
 Not thread-safe: the service's model thread is its only caller.
 """
 

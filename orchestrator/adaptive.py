@@ -11,14 +11,14 @@ speculative step, one for a decode. The chooser takes K maximising E[tokens](K) 
 over 0..max_k, from running estimates: α per request (starting from the worker's recent
 average), the costs per worker (shared by its requests, so they follow the load).
 
-Under load t_verify(K) is priced at the load: the services say, with every batched call, how
-many calls the pass that served it carried and how many positions it computed (in transformers
-each call padded to the longest: one verify among decodes makes them all K + 1 long; in llama.cpp
-the calls' own, whose cost is per position: counted padded, a verify among 7 decodes would say
-40 positions for 12 computed, and the slope would price verifying at a third), what it cost and how many
-sessions the service holds, and the worker fits a pass's seconds as a + b·tokens over recent
-passes. With B streams (the sessions held, at least the calls per pass), every stream drafting K
-puts B·(K + 1) tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
+Under load t_verify(K) is priced at the load: the services say, with every batched call, how many
+calls the pass that served it carried and how many positions it computed (in transformers each call
+padded to the longest: one verify among decodes makes them all K + 1 long; in llama.cpp the calls'
+own, whose cost is per position: counted padded, a verify among 7 decodes would say 40 positions for
+12 computed, and the slope would price verifying at a third), what it cost and how many sessions the
+service holds, and the worker fits a pass's seconds as a + b·tokens over recent passes. With B
+streams (the sessions held, at least the calls per pass), every stream drafting K puts B·(K + 1)
+tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
 is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
 rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
 load), K shrinks and turns off, and turns back on when B falls.
@@ -50,12 +50,12 @@ PROBE_BUDGET of its time, and a probe spends what it is expected to cost beyond 
 draft's catch-up, its guess, the longer verify), to every stream of the pass: under load the longer
 verify delays all B of them and the draft works beside their pass, so a probe costs B times as much
 (measured on the llama.cpp engine, 2 cores, 8 streams: priced as one stream's, probes left
-speculation at 0.78× off; priced at the load, 1.06×). A prompt lookup passed over for target-only
-is probed from the same budget under load (one guess: the longer verify). Where speculation does not pay
-for good (a CPU whose verify costs several decode steps), a stream of short requests then probes a
-few percent of the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp engines), per-request
-probes alone (3 per 64-token request, each first catching the draft up on its prompt) made
-speculation 19 % slower than off (scripts/bench_llama_cpp.py).
+speculation at 0.78× off; priced at the load, 1.06×). A prompt lookup passed over for target-only is
+probed from the same budget under load (one guess: the longer verify). Where speculation does not
+pay for good (a CPU whose verify costs several decode steps), a stream of short requests then probes
+a few percent of the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp
+engines), per-request probes alone (3 per 64-token request, each first catching the draft up on its
+prompt) made speculation 19 % slower than off (scripts/bench_llama_cpp.py).
 """
 
 from __future__ import annotations
