@@ -22,9 +22,15 @@ How many positions one call may score depends on the weights' kernels (ggml-cpu)
 - plain weights: up to 7 rows take the one-row kernel; from 8 on, a tiled K-quant matmul.
 Repacked is the faster (measured on the default target, AMD EPYC Zen 5, family 26, AVX-512, 2
 threads: a decode step 32 ms against 37 ms; 5 positions in calls of 3 + 2, 114 ms, against one call
-of 5, 119 ms). Other CPUs may add buffer types of their own (AMX on Intel), so the engine does not
-take this on trust: at load it scores a few positions both ways (`_exact`) and takes the first
-setting of EXACT_SETTINGS that is bit-for-bit exact on this CPU, else one position per call.
+of 5, 119 ms). Other CPUs may add buffer types of their own, so the engine does not take this on
+trust: at load it scores a few positions both ways (`_exact`) and takes the first setting that is
+bit-for-bit exact on this CPU, else one position per call.
+
+On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
+(a general protection fault in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open): measured
+on an Intel Xeon (family 6, model 167) with llama-cpp-python 0.3.36 and with llama-server 0.26.
+There the engine uses plain weights only (`exact_settings`); repacking the Q4_K weights alone (the
+AMX type left out by tensor overrides) was no faster there than plain, within the noise.
 Not thread-safe: the service's model thread is its only caller.
 """
 
@@ -71,7 +77,7 @@ class LlamaCppEngine:
         self.sequences: dict[str, int] = {}  # session id -> its seq id
         self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
         self.free = list(range(sessions - 1, -1, -1))
-        for repacked, call_tokens in EXACT_SETTINGS:
+        for repacked, call_tokens in exact_settings():
             self._load(gguf, repacked, threads, sessions, session_tokens)
             self.repacked, self.call_tokens = repacked, call_tokens
             if self._exact():
@@ -212,6 +218,18 @@ class LlamaCppEngine:
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.tokenizer)
+
+
+def ggml_has_amx() -> bool:
+    """Whether ggml here would put weights in its AMX buffer type, which crashes (module docstring)."""
+    llama.llama_backend_init()
+    return b"AMX_INT8 = 1" in llama.llama_print_system_info()
+
+
+def exact_settings() -> tuple[tuple[bool, int], ...]:
+    """EXACT_SETTINGS that are safe to try here: none with extra buffer types where ggml has AMX."""
+    amx = ggml_has_amx()
+    return tuple(setting for setting in EXACT_SETTINGS if not (amx and setting[0]))
 
 
 def _calls(rows: list[Row], call_tokens: int) -> list[list[tuple[int, int]]]:

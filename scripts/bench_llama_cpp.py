@@ -16,7 +16,8 @@ Each request is timed on the client from sending it to its last token (llama-ser
 without streaming, specd's Generate stream over gRPC), runs are interleaved per prompt, and every
 system is warmed up once. Both servers get the same threads (the machine's cores; specd's
 `specd up` shares them between its draft and target as it does by default) and the same prompt
-token ids. Writes a JSON report and a bar plot.
+token ids, and the same weights' layout (where ggml has AMX, plain for both: `--no-repack`). Writes a
+JSON report and a bar plot.
 
     .venv/bin/python scripts/bench_llama_cpp.py --llama-server PATH [--prompts bench/prompts.jsonl]
 """
@@ -38,6 +39,7 @@ import requests
 from specd.bench.report import by_source
 from specd.bench.systems import SpecdSystems, load_prompts
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
+from specd.model.llama_cpp_engine import ggml_has_amx
 from specd.model.store import find_spec, gguf_path
 from specd.proto.client import channel
 from specd.v1 import specdecode_pb2_grpc
@@ -60,6 +62,8 @@ class LlamaServer:
         command += ["-c", "4096", "-np", "1", "--no-webui", *LLAMA_SPECULATION[name]]
         if "-md" in command:
             command += ["-td", str(threads)]
+        if ggml_has_amx():  # ggml's AMX matmul crashes it as it would specd's engine (model/llama_cpp_engine.py)
+            command += ["--no-repack"]
         self.log = log_dir / f"{name}.log"
         env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}  # its own libllama beside it
         self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)

@@ -7,9 +7,10 @@ import torch
 from conftest import DEVICES
 
 from specd.draft_service.drafter import Drafter, ProposeCall
+from specd.model import llama_cpp_engine
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded
-from specd.model.llama_cpp_engine import BATCH_TOKENS, EXACT_SETTINGS, LlamaCppEngine
+from specd.model.llama_cpp_engine import BATCH_TOKENS, EXACT_SETTINGS, LlamaCppEngine, exact_settings
 from specd.model.loading import load_engine, tokenizer_fingerprint
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor
@@ -261,9 +262,10 @@ def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_
     exact = LlamaCppEngine._exact
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: tried.append(engine.call_tokens) or exact(engine))
     engine = llama_cpp(tiny_gguf)
-    assert tried[0] == EXACT_SETTINGS[0][1]
+    settings = exact_settings()  # all of EXACT_SETTINGS, or the plain ones where ggml has AMX
+    assert tried[0] == settings[0][1]
     # The tiny float32 GGUF's matmuls take tiled kernels for several rows: no setting is bit-exact.
-    assert tried == [calls for _, calls in EXACT_SETTINGS] and (engine.repacked, engine.call_tokens) == (False, 1)
+    assert tried == [calls for _, calls in settings] and (engine.repacked, engine.call_tokens) == (False, 1)
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: engine.call_tokens == EXACT_SETTINGS[1][1])
     engine = llama_cpp(tiny_gguf)
     assert (engine.repacked, engine.call_tokens) == EXACT_SETTINGS[1]
@@ -271,6 +273,20 @@ def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_
     tokens = PROMPTS[2] + [5, 6, 7]
     steps = [feed(engine, "decode", tokens[:1])] + [feed(engine, "decode", [token]) for token in tokens[1:]]
     assert_same(feed(engine, "verify", tokens, keep=4), torch.cat(steps[-4:]))
+
+
+@pytest.mark.parametrize(
+    "system", [b"CPU : AVX512 = 1 | AMX_INT8 = 1 | REPACK = 1 |", b"CPU : AVX512 = 1 | REPACK = 1 |"]
+)
+def test_where_ggml_has_amx_no_setting_uses_extra_buffer_types(system, monkeypatch):
+    """ggml's AMX matmul crashes the process (ggml-org/llama.cpp#20824): where ggml reports AMX,
+    the engine never loads with extra buffer types, whose first is AMX's; elsewhere it tries them all."""
+    monkeypatch.setattr(llama_cpp_engine.llama, "llama_print_system_info", lambda: system)
+    settings = exact_settings()
+    if b"AMX" in system:
+        assert settings and not any(repacked for repacked, _ in settings)
+    else:
+        assert settings == EXACT_SETTINGS
 
 
 def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_are_reused(tiny_gguf):
