@@ -25,6 +25,14 @@ tagged with its `mode` ("speculative" or "off") and `repeat`; the report's `comp
 entry per concurrency: per mode the median-throughput run of its repeats (the lower middle one
 for an even count), and the ratios speculative / off of output tokens/s and of TTFT p50.
 
+Targets: specd's gRPC API (`GrpcTarget`, HOST:PORT) or any OpenAI-compatible `/v1/completions`
+(`specd.bench.openai_client.OpenAiTarget`: vLLM, llama-server, TGI, SGLang, specd's own HTTP API),
+several in one run. They are interleaved: at each concurrency (or rate) each target runs in turn,
+in the order given, and each run names its `target` and `backend`. Only a gRPC target's runs carry
+specd's own figures (α, K, calls per pass): an OpenAI stream does not say what the server drafted.
+Beside this module's own names, each run has its figures under vLLM `bench serve`'s names
+(`vllm_fields`: `output_throughput`, `mean_ttft_ms`, `p99_itl_ms`, `e2el`, `generated_texts`, ...).
+
 Requests cycle through a prompts file (JSON lines, `{"prompt": ..., "kind": ...}`; the default
 `prompts.jsonl` mixes code, docstrings, prose and chat, `prose.jsonl` is an LLMPerf-style prose
 workload of sonnet lines) and ask for `ignore_eos` by default, so every request yields exactly
@@ -36,6 +44,7 @@ and plots of a report: bench/loadtest_report.py.
 """
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -94,6 +103,9 @@ class RequestResult:
     completion_tokens: int = 0
     stats: specdecode_pb2.SpeculationStats | None = None
     error: str | None = None  # gRPC status code name, or the exception's class name
+    index: int = 0  # the request's number in its run (its prompt and seed)
+    text: str = ""  # the completion's text
+    prompt_tokens: int | None = None  # as the server counted them (None: not reported)
 
     @property
     def ok(self) -> bool:
@@ -210,10 +222,13 @@ def source_summary(stats: list[specdecode_pb2.SpeculationStats]) -> dict:
     }
 
 
-def summarize_run(results: list[RequestResult], wall: float, concurrency: int | None, rate: float | None) -> dict:
-    """One entry of the report's `runs`."""
+def summarize_run(
+    results: list[RequestResult], wall: float, concurrency: int | None, rate: float | None, speculation: bool = True
+) -> dict:
+    """One entry of the report's `runs`; `speculation`: with specd's figures (α, K, ...: a gRPC target)."""
     done = [r for r in results if r.ok]
     tokens = sum(r.completion_tokens for r in done)
+    speculative = speculation_summary([r.stats for r in done if r.stats is not None]) if speculation else {}
     return {
         "concurrency": concurrency,
         "rate": rate,
@@ -227,9 +242,43 @@ def summarize_run(results: list[RequestResult], wall: float, concurrency: int | 
         "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
         "itl_s": percentiles([x for r in done for x in inter_token_latencies(r.delta_times, r.delta_tokens)]),
         "e2e_s": percentiles([r.e2e for r in done]),
-        **speculation_summary([r.stats for r in done if r.stats is not None]),
+        **speculative,
         "errors": dict(sorted(Counter(r.error for r in results if not r.ok).items())),
+        **vllm_fields(results, wall),
     }
+
+
+def vllm_fields(results: list[RequestResult], wall: float) -> dict:
+    """The run's figures under the names of vLLM `bench serve --save-result --metric-percentiles 50,90,99`
+    (latencies in ms; `e2el` is e2e), so its scripts read these reports; the per-request lists
+    (input_lens, output_lens, generated_texts, in request order) hold 0 / "" for a failed request."""
+    done = [r for r in results if r.ok]
+    tokens = sum(r.completion_tokens for r in done)
+    fields = {
+        "duration": wall,
+        "total_input_tokens": sum(r.prompt_tokens or 0 for r in done),
+        "total_output_tokens": tokens,
+        "request_throughput": len(done) / wall if wall > 0 else 0.0,
+        "output_throughput": tokens / wall if wall > 0 else 0.0,
+    }
+    latencies = {
+        "ttft": [r.ttft for r in done if r.ttft is not None],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [x for r in done for x in inter_token_latencies(r.delta_times, r.delta_tokens)],
+        "e2el": [r.e2e for r in done],
+    }
+    for name, seconds in latencies.items():
+        ms = np.asarray(seconds, dtype=float) * 1000
+        stats = {"mean": None, "median": None, "std": None, "p50": None, "p90": None, "p99": None}
+        if len(ms):
+            p50, p90, p99 = np.percentile(ms, [50, 90, 99])
+            stats = {"mean": ms.mean(), "median": p50, "std": ms.std(), "p50": p50, "p90": p90, "p99": p99}
+        fields |= {f"{stat}_{name}_ms": None if value is None else float(value) for stat, value in stats.items()}
+    ordered = sorted(results, key=lambda r: r.index)
+    fields["input_lens"] = [(r.prompt_tokens or 0) if r.ok else 0 for r in ordered]
+    fields["output_lens"] = [r.completion_tokens if r.ok else 0 for r in ordered]
+    fields["generated_texts"] = [r.text if r.ok else "" for r in ordered]
+    return fields
 
 
 # ---------------------------------------------------------------- requests
@@ -251,7 +300,7 @@ def build_request(settings: Settings, index: int) -> specdecode_pb2.GenerateRequ
 
 async def send_one(stub: specdecode_pb2_grpc.SpecDecodeStub, settings: Settings, index: int) -> RequestResult:
     """Stream one request to its end, timing each delta; errors land in `error`, never raised."""
-    result = RequestResult(started=time.perf_counter())
+    result = RequestResult(started=time.perf_counter(), index=index)
     try:
         async with asyncio.timeout(settings.timeout + 5):  # the gRPC deadline should fire first
             await _stream(stub, build_request(settings, index), settings.timeout, result)
@@ -273,18 +322,50 @@ async def _stream(stub, request, timeout: float, result: RequestResult) -> None:
         elif reply.delta.token_ids:
             result.delta_times.append(time.perf_counter())
             result.delta_tokens.append(len(reply.delta.token_ids))
+            result.text += reply.delta.text
     if final is None:
         result.error = "NO_FINAL_MESSAGE"
         return
     result.completion_tokens = final.usage.completion_tokens or sum(result.delta_tokens)
+    result.prompt_tokens = final.usage.prompt_tokens or None
     result.stats = final.stats
+
+
+class GrpcTarget:
+    """A load-test target: specd's gRPC API (specd.v1.SpecDecode) at HOST:PORT, whose runs carry
+    specd's figures (α, K, calls per pass). The other kind, an OpenAI-compatible server, is
+    specd.bench.openai_client.OpenAiTarget; both have this interface."""
+
+    backend = "grpc"
+    speculation = True  # the runs carry α, K, acceptance by position and calls per pass
+
+    def __init__(self, address: str):
+        self.name = self.address = address
+        self.info: dict | None = None
+
+    async def open(self, timeout: float) -> None:
+        self.channel = channel(self.address)
+        self.stub = specdecode_pb2_grpc.SpecDecodeStub(self.channel)
+        self.info = await _server_info(self.stub, timeout)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+    async def send(self, settings: Settings, index: int) -> RequestResult:
+        return await send_one(self.stub, settings, index)
+
+    async def passes(self, timeout: float) -> dict | None:
+        return await _passes(self.stub, timeout)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "backend": self.backend, "address": self.address, "server_info": self.info}
 
 
 # ---------------------------------------------------------------- runs
 
 
 async def closed_loop(
-    stub, settings: Settings, concurrency: int, requests: int, advance: Callable[[], None] = lambda: None
+    target, settings: Settings, concurrency: int, requests: int, advance: Callable[[], None] = lambda: None
 ) -> dict:
     """`concurrency` workers, each sending its next request when the previous ends, `requests` in all."""
     indices = itertools.count()
@@ -292,21 +373,21 @@ async def closed_loop(
 
     async def worker() -> None:
         while (index := next(indices)) < requests:
-            results.append(await send_one(stub, settings, index))
+            results.append(await target.send(settings, index))
             advance()
 
     started = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return summarize_run(results, time.perf_counter() - started, concurrency, None)
+    return summarize_run(results, time.perf_counter() - started, concurrency, None, target.speculation)
 
 
 async def open_loop(
-    stub, settings: Settings, rate: float, requests: int, advance: Callable[[], None] = lambda: None
+    target, settings: Settings, rate: float, requests: int, advance: Callable[[], None] = lambda: None
 ) -> dict:
     """`requests` requests sent at Poisson arrival times of `rate` per second, however many are in flight."""
 
     async def tracked(index: int) -> RequestResult:
-        result = await send_one(stub, settings, index)
+        result = await target.send(settings, index)
         advance()
         return result
 
@@ -316,7 +397,7 @@ async def open_loop(
         await asyncio.sleep(max(0.0, started + offset - time.perf_counter()))
         tasks.append(asyncio.create_task(tracked(index)))
     results = await asyncio.gather(*tasks)
-    return summarize_run(list(results), time.perf_counter() - started, None, rate)
+    return summarize_run(list(results), time.perf_counter() - started, None, rate, target.speculation)
 
 
 async def run_loadtest(
@@ -329,44 +410,64 @@ async def run_loadtest(
     compare: bool = False,
     repeats: int = 1,
     warmup: int = WARMUP_REQUESTS,
+    targets: list | None = None,
 ) -> dict:
     """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}.
 
-    With `compare`: closed loop only, a speculative and an off run per concurrency and repeat
-    (`compare_plan`), and a "comparison" list in the report (`comparison`). First, `warmup`
-    short requests per mode, not measured: the first run would otherwise pay the stack's cold
-    start (and the K chooser's first measurements) alone.
+    `targets`: GrpcTarget and OpenAiTarget (default: one GrpcTarget at settings.server); at each
+    level every target runs in turn. With `compare` (one gRPC target): closed loop only, a
+    speculative and an off run per concurrency and repeat (`compare_plan`), and a "comparison"
+    list in the report (`comparison`). First, `warmup` short requests per target and mode, not
+    measured: the first run would otherwise pay the stack's cold start (and the K chooser's first
+    measurements) alone. An OpenAI target that cannot be used raises openai_client.TargetError.
     """
+    targets = list(targets) if targets else [GrpcTarget(settings.server)]
+    names = [target.name for target in targets]
+    if len(set(names)) < len(names):
+        raise ValueError(f"a target is given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
     if compare and (rates or settings.draft_tokens == 0 or repeats < 1):
         raise ValueError("compare: closed loop only, a speculative K (None or >= 1), repeats >= 1")
+    if compare and (len(targets) != 1 or targets[0].backend != "grpc"):
+        raise ValueError("compare measures speculation on and off of one gRPC target: give just one")
     if compare:
         plans = [("closed", level, mode, repeat) for level, mode, repeat in compare_plan(concurrency, repeats)]
     else:
         mode = mode_of(settings)
         plans = [("closed", c, mode, 0) for c in concurrency] + [("open", r, mode, 0) for r in rates]
     runs = []
-    async with channel(settings.server) as open_channel:
-        stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
-        server_info = await _server_info(stub, settings.timeout)
-        for mode in dict.fromkeys(plan[2] for plan in plans) if warmup else ():  # not measured
-            warm = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
-            await closed_loop(stub, replace(warm, draft_tokens=0) if mode == "off" else warm, 1, warmup, lambda: None)
-        for kind, level, mode, repeat in plans:
+    async with contextlib.AsyncExitStack() as stack:
+        for target in targets:
+            await target.open(settings.timeout)
+            stack.push_async_callback(target.close)
+        for target in targets:  # not measured
+            modes = dict.fromkeys(plan[2] for plan in plans) if target.speculation else [None]
+            for mode in modes if warmup else ():
+                warm = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
+                await closed_loop(target, replace(warm, draft_tokens=0) if mode == "off" else warm, 1, warmup)
+        for (kind, level, mode, repeat), target in itertools.product(plans, targets):
             label = f"concurrency {level}" if kind == "closed" else f"rate {level:g}/s"
             if compare:
                 label += f" {mode}" + (f" #{repeat + 1}" if repeats > 1 else "")
+            if len(targets) > 1:
+                label += f" {target.name}"
             advance = progress(label, requests) if progress else (lambda: None)
             run = closed_loop if kind == "closed" else open_loop
             run_settings = replace(settings, draft_tokens=0) if mode == "off" else settings
-            before = await _passes(stub, settings.timeout)
-            result = await run(stub, run_settings, level, requests, advance)
-            result.update(calls_per_pass(before, await _passes(stub, settings.timeout)))
-            runs.append({"mode": mode, "repeat": repeat, **result})
+            before = await target.passes(settings.timeout)
+            result = await run(target, run_settings, level, requests, advance)
+            if target.speculation:
+                result.update(calls_per_pass(before, await target.passes(settings.timeout)))
+            mode_shown = mode if target.speculation else None  # K is a gRPC request's setting
+            runs.append(
+                {"target": target.name, "backend": target.backend, "mode": mode_shown, "repeat": repeat, **result}
+            )
     report = {"runs": runs}
     if compare:
         report["comparison"] = comparison(runs)
+    server_info = next((target.info for target in targets if target.backend == "grpc"), None)
     report["settings"] = _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)
     report["settings"] |= {"compare": compare, "repeats": repeats, "warmup_requests": warmup}
+    report["settings"]["targets"] = [target.describe() for target in targets]
     return report
 
 

@@ -1,6 +1,8 @@
 """What a `specd loadtest` report looks like (bench/loadtest.py builds it): rich tables for the
 terminal and matplotlib figures, per run or, in compare mode, speculative against off per
-concurrency. Imports rich and matplotlib only when called: the load tester starts without them.
+concurrency; with several targets (`--server A --openai B`), a column and one series per target.
+A run of an OpenAI target has no speculation figures (α, K): "-" in the table. Imports rich and
+matplotlib only when called: the load tester starts without them.
 """
 
 import math
@@ -13,12 +15,22 @@ def run_label(run: dict) -> str:
     return f"C={run['concurrency']}" if run["concurrency"] is not None else f"{run['rate']:g} req/s"
 
 
+def targets(runs: list[dict]) -> dict[str, list[dict]]:
+    """The runs of each target, in the order the targets first ran (a report from before targets: one, "")."""
+    groups: dict[str, list[dict]] = {}
+    for run in runs:
+        groups.setdefault(run.get("target", ""), []).append(run)
+    return groups
+
+
 def summary_table(report: dict):
     """A rich Table with one row per run (latencies in milliseconds)."""
     from rich.table import Table
 
+    several = len(targets(report["runs"])) > 1
     table = Table(title="specd loadtest")
     for name in (
+        *(("target",) if several else ()),
         "run",
         "mode",
         "ok/sent",
@@ -38,16 +50,16 @@ def summary_table(report: dict):
         "target rows/pass",
         "errors",
     ):
-        table.add_column(name, justify="left" if name in ("run", "errors") else "right")
+        table.add_column(name, justify="left" if name in ("target", "run", "errors") else "right")
     repeats = report["settings"].get("repeats", 1)
     for run in report["runs"]:
-        table.add_row(*_table_row(run, repeats))
+        table.add_row(*((run.get("target", ""),) if several else ()), *_table_row(run, repeats))
     return table
 
 
 def _table_row(run: dict, repeats: int = 1) -> list[str]:
     errors = ", ".join(f"{code}×{n}" for code, n in run["errors"].items()) or "-"
-    mode = run.get("mode", "-") + (f" #{run['repeat'] + 1}" if repeats > 1 else "")
+    mode = (run.get("mode") or "-") + (f" #{run['repeat'] + 1}" if repeats > 1 else "")
     return [
         run_label(run),
         mode,
@@ -58,11 +70,11 @@ def _table_row(run: dict, repeats: int = 1) -> list[str]:
         _ms(run["tpot_s"]["p50"]),
         f"{_ms(run['itl_s']['p50'])}/{_ms(run['itl_s']['p99'])}",
         f"{_num(run['e2e_s']['p50'], 2)}/{_num(run['e2e_s']['p99'], 2)}",
-        _num(run["acceptance_rate"], 2),
+        _num(run.get("acceptance_rate"), 2),
         *_sources(run),
-        _num(run["mean_accepted_length"], 2),
-        _num(run["mean_draft_length"], 1),
-        "-" if run["speculation_off_share"] is None else f"{run['speculation_off_share']:.0%}",
+        _num(run.get("mean_accepted_length"), 2),
+        _num(run.get("mean_draft_length"), 1),
+        "-" if run.get("speculation_off_share") is None else f"{run['speculation_off_share']:.0%}",
         f"{_num(run.get('draft_calls_per_pass'), 1)}/{_num(run.get('target_calls_per_pass'), 1)}",
         _num(run.get("target_tokens_per_pass"), 1),
         errors,
@@ -146,9 +158,10 @@ def save_plot(report: dict, path: Path | str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (throughput, latency, acceptance) = plt.subplots(1, 3, figsize=(16, 4.5))
-    _plot_throughput(throughput, report["runs"])
-    _plot_latency(latency, report["runs"])
-    _plot_acceptance(acceptance, report["runs"])
+    groups = targets(report["runs"])
+    _plot_throughput(throughput, groups)
+    _plot_latency(latency, groups)
+    _plot_acceptance(acceptance, groups)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -160,39 +173,60 @@ def _x_axis(runs: list[dict]) -> tuple[list[float], str]:
     return [run["rate"] if run["rate"] is not None else run["concurrency"] for run in runs], "request rate (req/s)"
 
 
-def _plot_throughput(axes, runs: list[dict]) -> None:
-    x, label = _x_axis(runs)
-    axes.plot(x, [run["output_tokens_per_s"] for run in runs], marker="o")
-    axes.set(xlabel=label, ylabel="output tokens/s", title="throughput", xticks=x)
+LATENCY_LINES = (  # (key, quantile, name, line style) of the latency panel
+    ("ttft_s", "p50", "TTFT p50", "-"),
+    ("tpot_s", "p50", "TPOT p50", "--"),
+    ("e2e_s", "p50", "e2e p50", ":"),
+    ("e2e_s", "p99", "e2e p99", "-."),
+)
+
+
+def _colors(groups: dict) -> dict[str, str | None]:
+    """A colour per target; one target keeps matplotlib's own cycle (each latency line its colour)."""
+    if len(groups) == 1:
+        return dict.fromkeys(groups)
+    return {name: f"C{index % 10}" for index, name in enumerate(groups)}
+
+
+def _plot_throughput(axes, groups: dict[str, list[dict]]) -> None:
+    ticks = set()
+    for name, runs in groups.items():
+        x, label = _x_axis(runs)
+        axes.plot(x, [run["output_tokens_per_s"] for run in runs], marker="o", label=name or None)
+        ticks |= set(x)
+    axes.set(xlabel=label, ylabel="output tokens/s", title="throughput", xticks=sorted(ticks))
     axes.set_ylim(bottom=0)
     axes.grid(alpha=0.3)
+    if len(groups) > 1:
+        axes.legend(fontsize=8)
 
 
-def _plot_latency(axes, runs: list[dict]) -> None:
-    x, label = _x_axis(runs)
-    plotted = []
-    for key, quantile, name in (
-        ("ttft_s", "p50", "TTFT p50"),
-        ("tpot_s", "p50", "TPOT p50"),
-        ("e2e_s", "p50", "e2e p50"),
-        ("e2e_s", "p99", "e2e p99"),
-    ):
-        values = [np.nan if run[key][quantile] is None else run[key][quantile] for run in runs]
-        axes.plot(x, values, marker="o", label=name)
-        plotted += values
-    axes.set(xlabel=label, ylabel="seconds", title="latency", xticks=x)
+def _plot_latency(axes, groups: dict[str, list[dict]]) -> None:
+    colors, plotted, ticks = _colors(groups), [], set()
+    for name, runs in groups.items():
+        x, label = _x_axis(runs)
+        ticks |= set(x)
+        for key, quantile, metric, style in LATENCY_LINES:
+            values = [np.nan if run[key][quantile] is None else run[key][quantile] for run in runs]
+            shown = f"{metric} ({name})" if len(groups) > 1 else metric
+            axes.plot(x, values, marker="o", label=shown, color=colors[name], linestyle=style)
+            plotted += values
+    axes.set(xlabel=label, ylabel="seconds", title="latency", xticks=sorted(ticks))
     if np.nanmax(plotted + [0.0]) > 0:  # log scale needs a positive value
         axes.set_yscale("log")
     axes.grid(alpha=0.3, which="both")
-    axes.legend()
+    axes.legend(fontsize=8 if len(groups) == 1 else 6)
 
 
-def _plot_acceptance(axes, runs: list[dict]) -> None:
+def _plot_acceptance(axes, groups: dict[str, list[dict]]) -> None:
+    """Acceptance by draft position of each run that has one (a gRPC target's)."""
+    runs = [run for group in groups.values() for run in group]
     for run in runs:
-        rates = run["acceptance_by_position"]
+        rates = run.get("acceptance_by_position")
         if rates:
-            axes.plot(range(1, len(rates) + 1), rates, marker="o", label=run_label(run))
-    width = max((len(run["acceptance_by_position"]) for run in runs), default=0)
+            label = run_label(run) + (f" {run['target']}" if len(groups) > 1 else "")
+            axes.plot(range(1, len(rates) + 1), rates, marker="o", label=label)
+    width = max((len(run.get("acceptance_by_position") or []) for run in runs), default=0)
     axes.set(
         xlabel="draft position",
         ylabel="accepted / steps",

@@ -18,6 +18,12 @@ hf_assisted or hf_lookup: over all tokens the faster of the two totals, per prom
 `median_ratios`) the faster of the two on that prompt. Per prompt the report also has the K of
 every step (adaptive K over time; 0 = target-only), α and c, and the per-prompt ratios whose
 medians are `median_ratios`.
+
+Peers (settings.peers, `specd bench --peer NAME=URL`: OpenAI-compatible servers) are systems of their
+own after SYSTEMS, in `results`, `per_prompt` and the plot, with the ratios `specd_spec/NAME` and
+`NAME/hf_target`. A peer answers text, not token ids: `peers[NAME]` says whether its text equals
+specd_target's on every prompt (`matches_specd_target`; per prompt: `peer_matches_specd_target`) and
+whether it made as many tokens as specd_target (`same_token_counts`, by the server's own count).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ LABELS = {
     "specd_spec": "specd speculative",
 }
 ANALYTIC_MAX_K = 8
+PEER_COLORS = ("#55a868", "#c44e52", "#8172b2", "#937860", "#da8bc3", "#64b5cd")
 PROMPT_RATIOS = (
     "specd_spec/hf_assisted",
     "specd_spec/specd_target",
@@ -140,6 +147,11 @@ def _speed(run: Run) -> float | None:
 # ---------------------------------------------------------------- the report
 
 
+def peer_ratios(peers) -> tuple[str, ...]:
+    """The ratios each peer gets: specd_spec against it, and it against hf_target."""
+    return tuple(name for peer in peers for name in (f"specd_spec/{peer}", f"{peer}/hf_target"))
+
+
 def build_report(
     settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids: list[list[int]], extra_settings: dict | None = None
 ) -> dict:
@@ -148,12 +160,13 @@ def build_report(
     `prompt_ids`: each prompt's token ids; `extra_settings`: more entries for report["settings"]
     (how the runs were made: machine, dtype served, order, ...).
     """
+    peers = list(getattr(settings, "peers", None) or {})
     results = {}
-    for system in SYSTEMS:
+    for system in (*SYSTEMS, *peers):
         tokens = sum(run.tokens for run in runs[system])
         seconds = sum(run.seconds for run in runs[system])
         results[system] = {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds if seconds else None}
-    speed = {system: results[system]["tokens_per_s"] for system in SYSTEMS}
+    speed = {system: results[system]["tokens_per_s"] for system in results}
     speed["hf_best"] = _best([speed[system] for system in HF_SPECULATIVE])
     ratios = {
         "specd_spec/hf_assisted": _ratio(speed["specd_spec"], speed["hf_assisted"]),
@@ -164,6 +177,7 @@ def build_report(
         "specd_spec/hf_lookup": _ratio(speed["specd_spec"], speed["hf_lookup"]),
         "specd_spec/hf_best": _ratio(speed["specd_spec"], speed["hf_best"]),
         "hf_lookup/hf_target": _ratio(speed["hf_lookup"], speed["hf_target"]),
+        **{name: _ratio(*(speed[s] for s in name.split("/"))) for name in peer_ratios(peers)},
     }
     spec_stats = [run.stats for run in runs["specd_spec"]]
     drafted = sum(s["drafted"] for s in spec_stats)
@@ -177,7 +191,7 @@ def build_report(
     median_draft, median_target = _median(draft_per_token), _median(target_step)
     c = _ratio(median_draft, median_target)
     best, best_k = analytic_best(alpha, c)
-    per_prompt = [_prompt_entry(i, settings, runs, prompt_ids[i]) for i in range(len(settings.prompts))]
+    per_prompt = [_prompt_entry(i, settings, runs, prompt_ids[i], peers) for i in range(len(settings.prompts))]
     lengths = [k for s in spec_stats for k in s.get("draft_lengths", [])]
     costs = measured_costs(spec_stats, [run.stats for run in runs["specd_target"]])
     achievable = achievable_best(alpha, costs)
@@ -186,7 +200,7 @@ def build_report(
         "ratios": ratios,
         "median_ratios": {
             name: _median([r for entry in per_prompt if (r := entry["ratios"][name]) is not None])
-            for name in PROMPT_RATIOS
+            for name in (*PROMPT_RATIOS, *peer_ratios(peers))
         },
         "speedup_of_analytic_best": _ratio(ratios["specd_spec/specd_target"], best),
         "measured_costs": costs,
@@ -212,6 +226,15 @@ def build_report(
         ),
         "hf_assisted_match": all(entry["matches_hf_target"]["hf_assisted"] for entry in per_prompt),
         "hf_lookup_match": all(entry["matches_hf_target"]["hf_lookup"] for entry in per_prompt),
+        "peers": {
+            peer: {
+                "matches_specd_target": all(entry["peer_matches_specd_target"][peer] for entry in per_prompt),
+                "same_token_counts": all(
+                    entry["tokens"][peer] == entry["tokens"]["specd_target"] for entry in per_prompt
+                ),
+            }
+            for peer in peers
+        },
         "per_prompt": per_prompt,
         "settings": {
             "prompts": len(settings.prompts),
@@ -229,6 +252,7 @@ def build_report(
             "threads": settings.threads,
             "draft_model": settings.draft_model,
             "target_model": settings.target_model,
+            "peers": dict(getattr(settings, "peers", None) or {}),  # name -> URL
             "batch_size": 1,
             "greedy": True,
             "ignore_eos": True,
@@ -237,25 +261,30 @@ def build_report(
     }
 
 
-def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids: list[int]) -> dict:
+def _prompt_entry(
+    index: int, settings: BenchSettings, runs: dict[str, list[Run]], prompt_ids: list[int], peers: list[str] = ()
+) -> dict:
     reference = runs["hf_target"][index].token_ids
     spec = runs["specd_spec"][index].stats
     off = runs["specd_target"][index].stats
-    speed = {s: _speed(runs[s][index]) for s in SYSTEMS}
+    systems = (*SYSTEMS, *peers)
+    speed = {s: _speed(runs[s][index]) for s in systems}
     speed["hf_best"] = _best([speed[s] for s in HF_SPECULATIVE])
     entry = {
         "index": index,
         "kind": settings.kinds[index] if index < len(settings.kinds) else "",
         "prompt": settings.prompts[index],
         "prompt_tokens": len(prompt_ids),
-        "tokens_per_s": {s: speed[s] for s in SYSTEMS},
-        "seconds": {s: runs[s][index].seconds for s in SYSTEMS},
-        "tokens": {s: runs[s][index].tokens for s in SYSTEMS},
+        "tokens_per_s": {s: speed[s] for s in systems},
+        "seconds": {s: runs[s][index].seconds for s in systems},
+        "tokens": {s: runs[s][index].tokens for s in systems},
         "matches_hf_target": {s: runs[s][index].token_ids == reference for s in SYSTEMS if s != "hf_target"},
         "first_difference": {
             s: first_difference(runs[s][index].token_ids, reference) for s in SYSTEMS if s != "hf_target"
         },
-        "ratios": {name: _ratio(*(speed[s] for s in name.split("/"))) for name in PROMPT_RATIOS},
+        "ratios": {
+            name: _ratio(*(speed[s] for s in name.split("/"))) for name in (*PROMPT_RATIOS, *peer_ratios(peers))
+        },
         "hf_best": max(HF_SPECULATIVE, key=lambda s: -1.0 if speed[s] is None else speed[s]),  # the faster HF peer
         "alpha": spec["accepted"] / spec["drafted"] if spec["drafted"] else None,
         "c": _ratio(_ratio(spec["draft_seconds"], spec["drafted"]), _ratio(off["verify_seconds"], off["steps"])),
@@ -276,6 +305,9 @@ def _prompt_entry(index: int, settings: BenchSettings, runs: dict[str, list[Run]
         "specd_target_stats": {key: off[key] for key in ("steps", "verify_seconds", "other_seconds")},
         "hf_target_token_ids": reference,
     }
+    if peers:  # a peer's text against specd_target's (a peer returns no token ids)
+        target_text = runs["specd_target"][index].text
+        entry["peer_matches_specd_target"] = {peer: runs[peer][index].text == target_text for peer in peers}
     return entry
 
 
@@ -329,7 +361,7 @@ def summary_tables(report: dict) -> list:
         result = results[system]
         systems.add_row(
             system,
-            LABELS[system],
+            LABELS.get(system) or f"OpenAI-compatible peer, {settings.get('peers', {}).get(system, '?')}",
             str(result["tokens"]),
             f"{result['seconds']:.2f}",
             _num(result["tokens_per_s"], 2),
@@ -379,6 +411,13 @@ def summary_tables(report: dict) -> list:
         ("hf_assisted == hf_target", "yes" if report["hf_assisted_match"] else "no"),
         ("hf_lookup == hf_target", _yes_no(report.get("hf_lookup_match"))),
     ]
+    for peer, checks in report.get("peers", {}).items():
+        rows += [
+            (f"specd_spec / {peer}", _times(ratios.get(f"specd_spec/{peer}"))),
+            (f"  median over prompts ({peer})", _times(medians.get(f"specd_spec/{peer}"))),
+            (f"{peer} text == specd_target", _yes_no(checks["matches_specd_target"])),
+            (f"{peer} tokens == specd_target's", _yes_no(checks["same_token_counts"])),
+        ]
     for name, value in rows:
         figures.add_row(name, value)
 
@@ -425,7 +464,7 @@ def save_plot(report: dict, path: Path | str) -> None:
     figure, (speed, acceptance, lengths) = plt.subplots(1, 3, figsize=(19, 4.5))
     shown = _shown(report)
     values = [report["results"][s]["tokens_per_s"] or 0.0 for s in shown]
-    bars = speed.bar(range(len(shown)), values, color=[COLORS[s] for s in shown])
+    bars = speed.bar(range(len(shown)), values, color=[_color(s, report) for s in shown])
     speed.bar_label(bars, fmt="%.2f")
     speed.set_xticks(range(len(shown)), shown)
     settings = report["settings"]
@@ -457,8 +496,14 @@ def save_plot(report: dict, path: Path | str) -> None:
 
 
 def _shown(report: dict) -> list[str]:
-    """The systems the report has, in SYSTEMS order (a report written before hf_lookup has four)."""
-    return [system for system in SYSTEMS if system in report["results"]]
+    """The systems the report has, in SYSTEMS order (a report written before hf_lookup has four), then the peers."""
+    return [system for system in SYSTEMS if system in report["results"]] + list(report.get("peers", {}))
+
+
+def _color(system: str, report: dict) -> str:
+    if system in COLORS:
+        return COLORS[system]
+    return PEER_COLORS[list(report.get("peers", {})).index(system) % len(PEER_COLORS)]
 
 
 def _verify_curve(costs: dict) -> str:

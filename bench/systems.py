@@ -17,13 +17,19 @@ requests ask for `ignore_eos`):
 - `specd_target` specd with speculation off (K = 0) through the gRPC services and the Ray
                  orchestrator (a LocalStack: three processes, or --server);
 - `specd_spec`   specd speculative: K chosen every step (adaptive, the default), or a fixed
-                 K = draft_tokens; its draft as the service loads it (int4 on a CPU by default).
+                 K = draft_tokens; its draft as the service loads it (int4 on a CPU by default);
+- peers (`--peer NAME=URL`, `PeerSystem`): any OpenAI-compatible server (vLLM, llama.cpp's
+                 llama-server with its own draft, TGI, SGLang, specd's own HTTP API), a system
+                 named NAME: the same prompt token ids, greedy, max_tokens = max_new_tokens and
+                 `ignore_eos`, streamed from /v1/completions (bench/openai_client.py).
 
-Runs are interleaved per prompt (A B C D E, A B C D E, ...) so slow drift of the machine falls
-on all five alike, and each system is warmed up once on a short prompt before timing.
+Runs are interleaved per prompt (A B C D E, A B C D E, ...; the peers last) so slow drift of the
+machine falls on all alike, and each system is warmed up once on a short prompt before timing.
 Every system gets the same prompt token ids (the tokenizer's, without special tokens, as
-the orchestrator tokenizes text); specd is timed on the client, from sending the request to
-the end of its stream, so gRPC and orchestration count against it.
+the orchestrator tokenizes text); specd and the peers are timed on the client, from sending the
+request to the end of its stream, so gRPC, HTTP and orchestration count against them. A peer
+answers text, not token ids, so its output is compared with specd_target's text, and its tokens
+are the server's own count (`usage`).
 
 torch, transformers and gRPC are imported where they are used, so importing this module is cheap.
 """
@@ -75,6 +81,7 @@ class BenchSettings:
     draft_model: str = "draft"
     target_model: str = "target"
     server: str | None = None  # a running orchestrator instead of a LocalStack
+    peers: dict[str, str] = field(default_factory=dict)  # name -> URL of an OpenAI-compatible server, a system each
     timeout: float = 600.0  # seconds per specd request
     prompts_file: str | None = None
     quick: bool = False
@@ -87,10 +94,12 @@ class Run:
     token_ids: list[int]
     seconds: float
     stats: dict | None = None  # specd's SpeculationStats as a dict
+    text: str | None = None  # the output's text (specd's and the peers'; a peer's only output)
+    completion_tokens: int | None = None  # a peer's count (usage): it returns no token ids
 
     @property
     def tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) if self.completion_tokens is None else self.completion_tokens
 
 
 def load_prompts(path: Path | str) -> tuple[list[str], list[str]]:
@@ -214,7 +223,49 @@ class SpecdSystems:
         stats = MessageToDict(
             completion.final.stats, preserving_proto_field_name=True, always_print_fields_with_no_presence=True
         )
-        return Run(completion.token_ids, seconds, stats)
+        return Run(completion.token_ids, seconds, stats, text=completion.text)
+
+
+class PeerSystem:
+    """A peer: an OpenAI-compatible server's streamed /v1/completions, greedy, with the prompt as token
+    ids (the very tokens the other systems get), max_tokens and `ignore_eos`. Raises
+    openai_client.TargetError when it cannot be reached or a request fails (the bench then stops:
+    one peer's missing prompt would leave its figures meaningless)."""
+
+    def __init__(self, name: str, url: str, timeout: float):
+        self.name, self.url, self.timeout = name, url, timeout
+        self.client, self.model = None, None
+
+    async def open(self) -> None:
+        from specd.bench.openai_client import TargetError, make_client, pick_model
+
+        self.client = make_client(self.url, timeout=self.timeout)
+        try:
+            self.model, _ = await pick_model(self.client, None, f"--peer {self.name}={self.url}")
+        except TargetError:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        if self.client:
+            await self.client.close()
+
+    async def run(self, prompt_ids: list[int], max_new_tokens: int) -> Run:
+        import openai
+
+        from specd.bench.openai_client import TargetError, error_name, stream_completion
+
+        try:
+            streamed = await stream_completion(
+                self.client, self.model, prompt_ids, max_new_tokens, timeout=self.timeout, ignore_eos=True
+            )
+        except openai.OpenAIError as error:
+            raise TargetError(
+                f"--peer {self.name}={self.url}: the request failed ({error_name(error)}: {error})"
+            ) from None
+        return Run(
+            [], streamed.ended - streamed.started, text=streamed.text, completion_tokens=streamed.completion_tokens
+        )
 
 
 # ---------------------------------------------------------------- the run
@@ -242,8 +293,10 @@ async def run_bench(
     }
     dtype = settings.dtype or default_dtype(devices["target"])
     environment = {"load_average_before": _load_average()}
-    stack = None
+    stack, peers = None, {name: PeerSystem(name, url, settings.timeout) for name, url in settings.peers.items()}
     try:
+        for peer in peers.values():  # first: a peer that is not there fails in a second, not after loading
+            await peer.open()
         address = settings.server
         if address is None:
             from specd.deploy.local import LocalStack, StackConfig
@@ -277,18 +330,20 @@ async def run_bench(
                 load_model(settings.target_model, dtype, settings.threads, device=devices["target"]),
             )
         hf = HFSystems(*models)
-        runs = await _run_all(settings, hf, address, advance, say)
+        runs = await _run_all(settings, hf, address, advance, say, peers)
         server_info = runs.pop("server_info")
     finally:
         if stack:
             stack.stop()
+        for peer in peers.values():
+            await peer.close()
     environment["load_average_after"] = _load_average()
     return build_report(
         settings,
         runs,
         [hf.encode(p) for p in settings.prompts],
         {
-            "order": "interleaved per prompt: " + " ".join(SYSTEMS),
+            "order": "interleaved per prompt: " + " ".join((*SYSTEMS, *peers)),
             "warmup": f"each system once on {WARMUP_PROMPT!r}",
             "timing": "HF: generate() wall time in process; specd: client wall time of the Generate stream",
             "dtype": str(models[1].dtype).removeprefix("torch."),
@@ -297,19 +352,23 @@ async def run_bench(
             "server_info": server_info,
             "hf_assisted_generation": hf.assistant_defaults,
             "hf_prompt_lookup": hf.lookup_settings(settings.lookup_tokens),
+            "peer_models": {name: peer.model for name, peer in peers.items()},  # what each peer was asked for
             **environment,
             **_machine(),
         },
     )
 
 
-async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance: Advance | None, say) -> dict:
+async def _run_all(
+    settings: BenchSettings, hf: HFSystems, address: str, advance: Advance | None, say, peers: dict | None = None
+) -> dict:
     from specd.bench.loadtest import _server_info
     from specd.proto.client import channel
     from specd.v1 import specdecode_pb2_grpc
 
     n, k = settings.max_new_tokens, settings.draft_tokens
-    runs: dict = {system: [] for system in SYSTEMS}
+    order = (*SYSTEMS, *(peers or {}))
+    runs: dict = {system: [] for system in order}
     async with channel(address) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
         specd = SpecdSystems(stub, settings.timeout)
@@ -332,17 +391,20 @@ async def _run_all(settings: BenchSettings, hf: HFSystems, address: str, advance
             "hf_lookup": lambda ids, tokens: _sync(hf.run(ids, tokens, lookup_tokens=settings.lookup_tokens)),
             "specd_target": lambda ids, tokens: specd.run(ids, tokens, 0),
             "specd_spec": lambda ids, tokens: specd.run(ids, tokens, k, settings.drafter),
+            **{name: peer.run for name, peer in (peers or {}).items()},
         }
         say("warming up each system once")
         warmup_ids = hf.encode(WARMUP_PROMPT)
-        for system in SYSTEMS:
+        for system in order:
             await systems[system](warmup_ids, min(n, 8))
         for index, prompt in enumerate(settings.prompts):
             prompt_ids = hf.encode(prompt)
-            for system in SYSTEMS:  # interleaved: A B C D E on each prompt
-                runs[system].append(await systems[system](prompt_ids, n))
+            for system in order:  # interleaved: A B C D E (then the peers) on each prompt
+                runs[system].append(run := await systems[system](prompt_ids, n))
                 if advance:
                     advance(f"prompt {index + 1}/{len(settings.prompts)} {system}")
+                if run.tokens != n:  # a peer that stopped early (no ignore_eos) or ran on: unlike work
+                    say(f"warning: {system} made {run.tokens} tokens for prompt {index + 1}, not {n}")
     return runs
 
 

@@ -7,15 +7,22 @@ interleaved per prompt (A B C D E, A B C D E, ...) so machine drift falls on all
   hf_lookup     generate(prompt_lookup_num_tokens=10), transformers' prompt lookup decoding
   specd_target  specd, speculation off (K = 0), through the gRPC services and the orchestrator
   specd_spec    specd speculative (K chosen every step, or a fixed --draft-tokens K; --drafter)
+  NAME          each --peer NAME=URL: an OpenAI-compatible server (vLLM, llama-server with its own
+                draft, TGI, SGLang, specd's HTTP API) streamed from /v1/completions: the same prompt
+                token ids, greedy, max_tokens and ignore_eos; its first /v1/models model
 The HF models load in this process, the target on --device and the draft on --draft-device, as
 specd places its services (so on a GPU both targets compute on the same one); specd runs as a
 local stack (three processes) in the same dtype, or at --server. Reports tokens/s, the ratios,
 α, c, the mean accepted length, the analytic best speed-up for the measured α and c, and whether
-specd's output equals the target's plain greedy output (greedy_match).
+specd's output equals the target's plain greedy output (greedy_match); for each peer, specd_spec /
+peer and whether its text equals specd_target's.
+
+  specd bench --quick --peer llama=http://127.0.0.1:8080 --json bench_peers.json --plot bench_peers.png
 """
 
 import argparse
 import asyncio
+import re
 import time
 from pathlib import Path
 
@@ -70,6 +77,14 @@ def add_parser(verbs) -> None:
         metavar="HOST:PORT",
         help="a running orchestrator serving the same pair in the same dtype (default: start one)",
     )
+    parser.add_argument(
+        "--peer",
+        type=_peer,
+        action="append",
+        default=[],
+        metavar="NAME=URL",
+        help="also bench an OpenAI-compatible server as system NAME, e.g. llama=http://127.0.0.1:8080 (repeatable)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per specd request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
     parser.add_argument(
@@ -94,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     if not console.is_terminal:  # a log file or a pipe: wide enough for the per-prompt table
         console.width = max(console.width, 132)
     started = time.perf_counter()
-    total = len(settings.prompts) * len(SYSTEMS)
+    total = len(settings.prompts) * (len(SYSTEMS) + len(settings.peers))
     with Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -117,6 +132,7 @@ def run(args: argparse.Namespace) -> int:
                 "ModelNotFetchedError",
                 "PromptsError",
                 "TimeoutError",
+                "TargetError",  # a --peer that refuses connections, lists no model, or fails a request
             ):
                 raise UserError(_describe(error)) from error
             raise
@@ -138,6 +154,7 @@ def _settings(args):
         raise UserError("--max-new-tokens must be >= 1")
     if args.timeout <= 0:
         raise UserError("--timeout must be > 0")
+    peers = _peers(getattr(args, "peer", []))  # a Namespace built by hand may lack it
     graphs = check_stack_devices(args)  # before anything loads: e.g. --device cuda without a GPU, one line
     prompts_file = args.prompts or DEFAULT_PROMPTS
     try:
@@ -159,6 +176,7 @@ def _settings(args):
         draft_model=args.draft_model,
         target_model=args.target_model,
         server=args.server,
+        peers=peers,
         timeout=args.timeout,
         prompts_file=str(prompts_file),
         quick=args.quick,
@@ -169,6 +187,34 @@ def _settings(args):
         draft_engine=args.draft_engine,
         target_engine=args.engine,
     )
+
+
+PEER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")  # a system's name: it goes into ratio names such as a/b
+
+
+def _peer(text: str) -> tuple[str, str]:
+    """--peer NAME=URL, split and checked for form (the URL's server is reached when the bench starts)."""
+    name, equals, url = text.partition("=")
+    name, url = name.strip(), url.strip()
+    if not equals or not name or not url:
+        raise argparse.ArgumentTypeError(f"expected NAME=URL (e.g. llama=http://127.0.0.1:8080), got {text!r}")
+    if not PEER_NAME.fullmatch(name):
+        raise argparse.ArgumentTypeError(f"peer name {name!r}: use letters, digits, _, . and - (no /)")
+    return name, url
+
+
+def _peers(given: list[tuple[str, str]]) -> dict[str, str]:
+    """--peer flags as name -> URL; a UserError for a name taken twice or by a built-in system, or a bad URL."""
+    from specd.bench.report import SYSTEMS
+
+    peers: dict[str, str] = {}
+    for name, url in given:
+        if name in SYSTEMS or name == "hf_best" or name in peers:
+            raise UserError(f"--peer {name}=...: the name {name!r} is taken; choose another")
+        if not re.match(r"https?://[^/\s]+", url):
+            raise UserError(f"--peer {name}={url}: the URL must be http(s)://HOST:PORT (its /v1 optional)")
+        peers[name] = url
+    return peers
 
 
 def _describe(error: Exception) -> str:

@@ -1,4 +1,11 @@
-"""`specd loadtest --server HOST:PORT`: a closed-loop concurrency sweep or open-loop Poisson load.
+"""`specd loadtest --server HOST:PORT | --openai URL`: a closed-loop concurrency sweep or open-loop Poisson load.
+
+Targets: --server HOST:PORT is specd's gRPC API; --openai URL any OpenAI-compatible server
+(vLLM, llama.cpp's llama-server, TGI, SGLang, specd's own HTTP API), streamed from /v1/completions.
+Both flags repeat: several targets run interleaved (at each concurrency or rate every target in turn,
+in the order given), in one report and one plot. --model and --api-key go with --openai: once for
+every OpenAI target, or once per --openai in the same order (default: the first model the server's
+/v1/models lists; the key from $OPENAI_API_KEY). Only gRPC runs report α and K.
 
 Requests ask for ignore_eos by default, so each yields exactly --max-new-tokens tokens and
 runs compare like for like; --respect-eos lets them stop at end-of-sequence instead.
@@ -13,6 +20,8 @@ per pass) and --plot draws them together. The report records the CPU it ran on.
 
   specd loadtest --server localhost:50051 --concurrency 1,2,4,8,16 --compare --repeats 3 \\
       --prompts bench/prose.jsonl --json compare.json --plot compare.png
+  specd loadtest --server localhost:50051 --openai http://localhost:8000 --openai http://gpu-box:8080 \\
+      --concurrency 1,4,16 --json side_by_side.json --plot side_by_side.png
 """
 
 import argparse
@@ -32,7 +41,32 @@ def add_parser(verbs) -> None:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--server", required=True, metavar="HOST:PORT", help="a running orchestrator")
+    parser.add_argument(
+        "--server",
+        action=_Target,
+        dest="targets",
+        const="grpc",
+        metavar="HOST:PORT",
+        help="a running orchestrator's gRPC API (repeatable)",
+    )
+    parser.add_argument(
+        "--openai",
+        action=_Target,
+        dest="targets",
+        const="openai",
+        metavar="URL",
+        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (/v1 optional; repeatable)",
+    )
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="the model to ask an --openai target for (default: the first its /v1/models lists)",
+    )
+    parser.add_argument(
+        "--api-key", action="append", default=[], metavar="KEY", help="an --openai target's key ($OPENAI_API_KEY)"
+    )
     parser.add_argument(
         "--concurrency",
         type=_int_list,
@@ -88,7 +122,12 @@ def add_parser(verbs) -> None:
         metavar="N",
         help="short requests per mode before the measured runs, not reported (default 2; 0: none)",
     )
-    parser.add_argument("--respect-eos", action="store_true", help="let requests stop at EOS (default: ignore it)")
+    parser.add_argument(
+        "--respect-eos",
+        action="store_true",
+        help="let requests stop at EOS (default: ignore it; an --openai request then carries `ignore_eos`, "
+        "which vLLM, llama-server and specd take)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
     parser.add_argument(
@@ -104,26 +143,33 @@ def add_parser(verbs) -> None:
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from specd.bench import loadtest, loadtest_report
 
-    _check_compare(args, parser or argparse.ArgumentParser(prog="specd loadtest"))
+    parser = parser or argparse.ArgumentParser(prog="specd loadtest")
+    _check_targets(args, parser)
+    _check_compare(args, parser)
     _check(args)
     settings = _settings(args, loadtest)
+    targets = _targets(args, loadtest)
     console = Console(stderr=True)
     with Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
     ) as progress:
-        report = asyncio.run(
-            loadtest.run_loadtest(
-                settings,
-                args.requests,
-                concurrency=[] if args.rate else args.concurrency,
-                rates=args.rate or [],
-                progress=_progress_hook(progress),
-                prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS),
-                compare=args.compare,
-                repeats=args.repeats,
-                warmup=args.warmup,
+        try:
+            report = asyncio.run(
+                loadtest.run_loadtest(
+                    settings,
+                    args.requests,
+                    concurrency=[] if args.rate else args.concurrency,
+                    rates=args.rate or [],
+                    progress=_progress_hook(progress),
+                    prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS),
+                    compare=args.compare,
+                    repeats=args.repeats,
+                    warmup=args.warmup,
+                    targets=targets,
+                )
             )
-        )
+        except _target_errors(targets) as error:  # a server that refuses connections, no model, ...
+            raise UserError(str(error)) from None
     console.print(loadtest_report.summary_table(report))
     if args.compare:
         console.print(loadtest_report.comparison_table(report))
@@ -136,8 +182,9 @@ def _settings(args, loadtest):
         prompts = loadtest.load_prompts(args.prompts or loadtest.DEFAULT_PROMPTS)
     except loadtest.PromptsError as error:
         raise UserError(str(error)) from error
+    servers = [value for kind, value in args.targets if kind == "grpc"]
     return loadtest.Settings(
-        server=args.server,
+        server=servers[0] if servers else "",  # the report's `server`: the first gRPC target
         prompts=prompts,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -147,6 +194,62 @@ def _settings(args, loadtest):
         ignore_eos=not args.respect_eos,
         timeout=args.timeout,
     )
+
+
+class _Target(argparse.Action):
+    """--server and --openai append (kind, value) to one list, so the targets run in the order given."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, [*(getattr(namespace, self.dest, None) or []), (self.const, value)])
+
+
+def _check_targets(args, parser: argparse.ArgumentParser) -> None:
+    """At least one target; --model and --api-key once for all --openai targets or once for each."""
+    if not args.targets:
+        parser.error("give a target: --server HOST:PORT (specd's gRPC API) and/or --openai URL")
+    openai = sum(kind == "openai" for kind, _ in args.targets)
+    for flag, values in (("--model", args.model), ("--api-key", args.api_key)):
+        if values and not openai:
+            parser.error(f"{flag} goes with --openai URL (a gRPC --server serves one pair)")
+        if len(values) not in (0, 1, openai):
+            parser.error(f"{flag} given {len(values)} times for {openai} --openai targets: give it once or once each")
+    if args.compare and (len(args.targets) > 1 or openai):
+        parser.error("--compare measures speculation on and off of one --server: give just that one")
+
+
+def _targets(args, loadtest) -> list:
+    """The targets in the order given (the openai package is imported only when one is an --openai)."""
+    targets, index = [], 0
+    for kind, value in args.targets:
+        if kind == "grpc":
+            targets.append(loadtest.GrpcTarget(value))
+            continue
+        from specd.bench.openai_client import OpenAiTarget, TargetError
+
+        model, key = (_nth(values, index) for values in (args.model, args.api_key))
+        index += 1
+        try:
+            targets.append(OpenAiTarget(value, model, key))
+        except TargetError as error:
+            raise UserError(f"--openai {value}: {error}") from None
+    names = [target.name for target in targets]
+    if len(set(names)) < len(names):
+        raise UserError(f"a target is given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
+    return targets
+
+
+def _target_errors(targets: list) -> tuple:
+    """What an unusable target raises: openai_client.TargetError where an --openai target runs (else nothing)."""
+    if all(target.backend == "grpc" for target in targets):
+        return ()
+    from specd.bench.openai_client import TargetError
+
+    return (TargetError,)
+
+
+def _nth(values: list[str], index: int) -> str | None:
+    """One value for every target, or the index-th of one per target (None: none given)."""
+    return None if not values else values[0] if len(values) == 1 else values[index]
 
 
 def _check_compare(args, parser: argparse.ArgumentParser) -> None:

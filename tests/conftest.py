@@ -240,3 +240,14 @@ async def real_stack(real_float32, ray_local):
     stack = await start_stack(real_float32["draft"], real_float32["target"])
     yield stack
     await stop_stack(stack)
+
+
+@pytest.fixture(scope="session")
+async def tiny_http(tiny_stack):
+    """The tiny stack's orchestrator also serving its OpenAI-compatible HTTP API: (base URL, model name)."""
+    from specd.orchestrator.openai_api import HttpApi
+
+    http = HttpApi(tiny_stack.orchestrator.core)
+    port = await http.start("127.0.0.1", 0)
+    yield f"http://127.0.0.1:{port}", http.api.model_name
+    await http.stop()

@@ -404,6 +404,76 @@ def test_command_line_rejects_bad_flags(tmp_path):
         cli(["bench", "--draft-tokens", "0"])
 
 
+# ---------------------------------------------------------------- peers: any OpenAI-compatible server
+
+
+async def test_a_peer_is_a_system_of_its_own(tiny_stack, tiny_loaded, tiny_http, tmp_path):
+    """specd's own HTTP API as the peer (standing in for vLLM or llama-server): greedy over the same
+    prompt tokens, it makes specd_target's text, token for token as many."""
+    url, model = tiny_http
+    prompts, kinds = systems.load_prompts(bench_cli_default_prompts())
+    settings = systems.BenchSettings(
+        prompts=prompts[:2], kinds=kinds[:2], max_new_tokens=8, draft_tokens=3, dtype="float32",
+        server=address(tiny_stack), peers={"specd_http": url}, timeout=60.0,
+    )  # fmt: skip
+    labels = []
+    report = await systems.run_bench(
+        settings, advance=labels.append, say=lambda message: None, models=(tiny_loaded["draft"], tiny_loaded["target"])
+    )
+    report = json.loads(json.dumps(report))  # serializable as it stands
+    assert len(labels) == 2 * 6 and labels[-1] == "prompt 2/2 specd_http"  # interleaved, the peer last
+    peer = report["results"]["specd_http"]
+    assert peer["tokens"] == 2 * 8 and peer["tokens_per_s"] == pytest.approx(peer["tokens"] / peer["seconds"])
+    assert report["peers"] == {"specd_http": {"matches_specd_target": True, "same_token_counts": True}}
+    speed = {system: result["tokens_per_s"] for system, result in report["results"].items()}
+    assert report["ratios"]["specd_spec/specd_http"] == pytest.approx(speed["specd_spec"] / speed["specd_http"])
+    assert report["ratios"]["specd_http/hf_target"] == pytest.approx(speed["specd_http"] / speed["hf_target"])
+    assert report["median_ratios"]["specd_spec/specd_http"] > 0
+    for entry in report["per_prompt"]:
+        assert entry["tokens"]["specd_http"] == 8 and entry["peer_matches_specd_target"] == {"specd_http": True}
+        assert entry["tokens_per_s"]["specd_http"] > 0 and "specd_http" not in entry["matches_hf_target"]
+    assert report["greedy_match"] is True  # the built-in systems' figures stand as before
+    assert report["settings"]["peers"] == {"specd_http": url}
+    assert report["settings"]["peer_models"] == {"specd_http": model}
+    assert report["settings"]["order"].endswith("specd_target specd_spec specd_http")
+
+    from rich.console import Console
+
+    console = Console(file=io.StringIO(), width=220)
+    for table in bench_report.summary_tables(report):
+        console.print(table)
+    text = console.file.getvalue()
+    assert "specd_spec / specd_http" in text and "specd_http text == specd_target" in text
+    assert bench_report._shown(report)[-1] == "specd_http"  # its own bar in the plot
+    bench_report.save_plot(report, tmp_path / "peer.png")
+    assert (tmp_path / "peer.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+def test_peer_flags_that_cannot_work_say_why(tiny_dirs, capsys):
+    from specd.cli.common import UserError
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["bench", "--peer", "http://127.0.0.1:8080"])
+    assert exit_info.value.code == 2 and "expected NAME=URL" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli(["bench", "--peer", "a/b=http://127.0.0.1:8080"])
+    assert "no /" in capsys.readouterr().err
+    with pytest.raises(UserError, match="'specd_spec' is taken"):
+        cli(["bench", "--peer", "specd_spec=http://127.0.0.1:8080"])
+    with pytest.raises(UserError, match="http"):
+        cli(["bench", "--peer", "llama=127.0.0.1:8080"])
+    refused = f"http://127.0.0.1:{free_port()}"
+    tiny = ["--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"])]
+    with pytest.raises(UserError, match=r"--peer llama=.*cannot connect"):  # before anything loads
+        cli(["bench", "--server", "127.0.0.1:1", "--peer", f"llama={refused}", "--quick", *tiny])
+
+
+def free_port() -> int:
+    from specd.deploy.local import free_port as pick
+
+    return pick()
+
+
 def bench_cli_default_prompts():
     from specd.bench.loadtest import DEFAULT_PROMPTS
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from specd.bench import loadtest, loadtest_report
+from specd.bench import loadtest, loadtest_report, openai_client
 from specd.cli import loadtest as loadtest_cli
 from specd.v1 import specdecode_pb2
 
@@ -435,5 +435,121 @@ async def test_command_line_compare_writes_both_modes_and_their_plot(tiny_stack,
 def test_command_line_refuses_compare_with_contradicting_flags(flags, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         cli(["loadtest", "--server", "127.0.0.1:1", *flags])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- OpenAI-compatible targets
+
+
+def test_vllm_fields_name_the_figures_as_vllm_bench_serve_does():
+    results = [
+        loadtest.RequestResult(started=0.0, ended=1.0, delta_times=[0.2, 0.6, 1.0], delta_tokens=[1, 2, 2],
+                               completion_tokens=5, index=1, text="b", prompt_tokens=7),
+        loadtest.RequestResult(started=0.0, ended=0.5, delta_times=[0.1, 0.5], delta_tokens=[1, 1],
+                               completion_tokens=2, index=0, text="a", prompt_tokens=3),
+        loadtest.RequestResult(started=0.0, ended=0.1, index=2, error="UNAVAILABLE"),
+    ]  # fmt: skip
+    fields = loadtest.vllm_fields(results, wall=2.0)
+    assert fields["duration"] == 2.0 and fields["total_output_tokens"] == 7 and fields["total_input_tokens"] == 10
+    assert fields["output_throughput"] == 3.5 and fields["request_throughput"] == 1.0
+    assert fields["mean_ttft_ms"] == pytest.approx(150.0) and fields["median_ttft_ms"] == pytest.approx(150.0)
+    assert fields["p99_e2el_ms"] == pytest.approx(995.0) and fields["std_e2el_ms"] == pytest.approx(250.0)
+    assert fields["mean_tpot_ms"] == pytest.approx((800 / 4 + 400 / 1) / 2)
+    assert fields["p50_itl_ms"] == pytest.approx(200.0)  # 200, 200, 200, 200 and 400 ms
+    # per request, in request order, failures as 0 / ""
+    assert fields["output_lens"] == [2, 5, 0] and fields["input_lens"] == [3, 7, 0]
+    assert fields["generated_texts"] == ["a", "b", ""]
+    empty = loadtest.vllm_fields([], wall=1.0)
+    assert empty["mean_ttft_ms"] is None and empty["p99_itl_ms"] is None and empty["output_lens"] == []
+
+
+def test_openai_base_url_takes_the_server_or_its_v1():
+    for url in ("http://h:8000", "http://h:8000/", "http://h:8000/v1", "http://h:8000/v1/"):
+        assert openai_client.base_url(url) == "http://h:8000/v1"
+    assert openai_client.base_url("https://h/openai") == "https://h/openai/v1"
+    for bad in ("h:8000", "ftp://h/v1", "http://"):
+        with pytest.raises(openai_client.TargetError, match="not an http"):
+            openai_client.base_url(bad)
+
+
+async def test_openai_target_gives_the_grpc_targets_tokens_and_greedy_text(tiny_stack, tiny_http, tmp_path):
+    """One run, both APIs of one stack interleaved: the same token counts and greedy text per request."""
+    url, model = tiny_http
+    grpc_address = f"127.0.0.1:{tiny_stack.orchestrator.port}"
+    targets = [loadtest.GrpcTarget(grpc_address), openai_client.OpenAiTarget(url)]
+    settings = settings_for(grpc_address)
+    report = await loadtest.run_loadtest(settings, requests=3, concurrency=[1, 2], rates=[20.0], targets=targets)
+    report = json.loads(json.dumps(report))  # the report is plain JSON
+    runs = report["runs"]
+    assert [(r["concurrency"], r["rate"], r["backend"]) for r in runs] == [
+        (1, None, "grpc"), (1, None, "openai"), (2, None, "grpc"), (2, None, "openai"),
+        (None, 20.0, "grpc"), (None, 20.0, "openai"),
+    ]  # fmt: skip
+    assert [r["target"] for r in runs[:2]] == [grpc_address, url]
+    for grpc_run, http_run in zip(runs[::2], runs[1::2]):
+        for run in (grpc_run, http_run):
+            assert run["errors"] == {} and run["completed"] == 3
+            assert run["output_lens"] == [8, 8, 8]  # ignore_eos: max_tokens each, as counted by the server
+            assert run["output_throughput"] == run["output_tokens_per_s"] > 0
+            assert run["mean_ttft_ms"] == pytest.approx(run["ttft_s"]["mean"] * 1000)
+            assert 0 < run["p50_e2el_ms"] <= run["p99_e2el_ms"] and run["p50_tpot_ms"] > 0
+        assert http_run["generated_texts"] == grpc_run["generated_texts"]  # greedy: the very same text
+        assert any(http_run["generated_texts"]) and len(set(http_run["generated_texts"])) > 1  # 3 prompts
+        assert http_run["input_lens"] == grpc_run["input_lens"] and all(http_run["input_lens"])
+        check_run(grpc_run, requests=3, max_new_tokens=8)  # gRPC runs keep specd's figures
+        assert "acceptance_rate" not in http_run and "target_calls_per_pass" not in http_run  # not on the wire
+        assert grpc_run["mode"] == "speculative" and http_run["mode"] is None
+    described = {target["backend"]: target for target in report["settings"]["targets"]}
+    assert described["openai"]["model"] == model and model in described["openai"]["models"]
+    assert described["grpc"]["server_info"] == report["settings"]["server_info"] is not None
+    table = loadtest_report.summary_table(report)
+    assert table.row_count == 6 and table.columns[0].header == "target"
+    loadtest_report.save_plot(report, tmp_path / "targets.png")
+    assert (tmp_path / "targets.png").read_bytes().startswith(PNG_SIGNATURE)
+    assert list(loadtest_report.targets(runs)) == [grpc_address, url]  # a series each
+
+
+async def test_command_line_runs_the_targets_in_the_order_given(tiny_stack, tiny_http, tmp_path):
+    url, model = tiny_http
+    grpc_address = f"127.0.0.1:{tiny_stack.orchestrator.port}"
+    argv = ["loadtest", "--openai", url, "--model", model, "--server", grpc_address, "--concurrency", "1",
+            "--requests", "2", "--max-new-tokens", "5", "--warmup", "0",
+            "--json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "out.png")]  # fmt: skip
+    assert await asyncio.to_thread(cli, argv) == 0
+    report = json.loads((tmp_path / "out.json").read_text())
+    assert [run["target"] for run in report["runs"]] == [f"{url} ({model})", grpc_address]
+    assert [run["output_lens"] for run in report["runs"]] == [[5, 5], [5, 5]]
+    assert report["runs"][0]["generated_texts"] == report["runs"][1]["generated_texts"]
+    assert report["settings"]["server"] == grpc_address
+    assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+async def test_command_line_says_why_an_openai_target_cannot_be_used():
+    from specd.cli.common import UserError
+
+    refused = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(UserError, match=r"cannot connect to http:.*is the server running"):
+        await asyncio.to_thread(cli, ["loadtest", "--openai", refused, "--concurrency", "1", "--requests", "1"])
+    with pytest.raises(UserError, match="not an http"):
+        cli(["loadtest", "--openai", "localhost:8000"])
+    with pytest.raises(UserError, match="given twice"):
+        cli(["loadtest", "--openai", "http://a:1", "--openai", "http://a:1/"])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--concurrency", "1"], "give a target"),
+        (["--server", "127.0.0.1:1", "--model", "m"], "--model goes with --openai"),
+        (["--openai", "http://a:1", "--model", "m", "--model", "n"], "--model given 2 times for 1"),
+        (["--openai", "http://a:1", "--openai", "http://b:1", "--api-key", "k", "--api-key", "l", "--api-key", "m"],
+         "--api-key given 3 times for 2"),
+        (["--server", "127.0.0.1:1", "--openai", "http://a:1", "--compare"], "--compare measures"),
+    ],
+)  # fmt: skip
+def test_command_line_refuses_unusable_target_flags(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["loadtest", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
