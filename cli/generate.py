@@ -24,7 +24,9 @@ def add_parser(verbs) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=None, help="seed a sampled run (default: a fresh one, printed with the stats)"
+    )
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--draft-tokens",
@@ -125,6 +127,7 @@ async def _run_requests(args, address: str) -> dict:
         if not (args.no_speculation or args.no_baseline):
             if not args.json:
                 print("measuring target-only for comparison ...", file=sys.stderr, flush=True)
+            settings["seed"] = completion.final.seed  # the same draws: with a drawn seed too
             baseline = await complete(stub, make_request(args.prompt, draft_tokens=0, **settings))
             base_speed = baseline.final.stats.tokens_per_s
             result["baseline"] = {"tokens_per_s": base_speed, "same_text": baseline.text == completion.text}
@@ -147,6 +150,7 @@ def _as_dict(completion) -> dict:
         "text": completion.text,
         "token_ids": completion.token_ids,
         "finish_reason": final.finish_reason,
+        "seed": final.seed,
         "usage": usage,
         "stats": stats,
     }
@@ -157,6 +161,7 @@ def _print_stats(result: dict) -> None:
     table = Table(title="speculation", show_header=False)
     rows = [
         ("finish reason", result["finish_reason"]),
+        ("seed (--seed reproduces it)", result["seed"]),
         (
             "tokens (prompt / completion)",
             f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}",

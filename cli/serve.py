@@ -18,6 +18,7 @@ from specd.cli.common import (
 )
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
+from specd.proto import tracing
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
 from specd.proto.limits import AUTO_CACHED_TOKENS, MAX_Q_BYTES, Limits
 
@@ -44,6 +45,7 @@ def add_parser(verbs) -> None:
         add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser, role)
         add_server_flags(parser)
+        add_tracing_flag(parser)
         parser.set_defaults(run=run_model_service)
     parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
     parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="the draft service")
@@ -77,6 +79,7 @@ def add_parser(verbs) -> None:
     _add_orchestrator_limit_flags(parser)
     add_server_flags(parser)
     add_client_flags(parser, "the services (the orchestrator sends its own --token to them)", token=False)
+    add_tracing_flag(parser)
     parser.set_defaults(run=run_orchestrator)
 
 
@@ -95,6 +98,16 @@ def _add_address_flags(parser, role: str) -> None:
         help=f"port of the Prometheus /metrics endpoint (default {DEFAULT_METRICS_PORTS[role]}; 0 picks a free one)",
     )
     parser.add_argument("--no-metrics", action="store_true", help="no /metrics endpoint")
+
+
+def add_tracing_flag(parser) -> None:
+    parser.add_argument(
+        "--otlp-endpoint",
+        default=None,
+        metavar="URL",
+        help="send OpenTelemetry traces over OTLP/gRPC to this collector, e.g. http://localhost:4317 "
+        "(https:// for TLS; default: no tracing)",
+    )
 
 
 def _add_limit_flags(parser, role: str) -> None:
@@ -246,6 +259,7 @@ def run_model_service(args: argparse.Namespace) -> int:
     preload_on_amd()  # on an AMD CPU: this process again, with MKL's fast kernels (model/cpu_blas.py)
     check_service_device(args.role, args)  # one line and exit 2 before anything starts, e.g. no GPU here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    tracing.setup(args.otlp_endpoint, f"specd-{args.role}")  # before the server: its calls get spans
     server = model_server(
         args.role,
         args.model,
@@ -278,6 +292,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
         propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout, target_retry_s=args.target_retry
     )
     security, service_security = _security(args), _security(args, client=True)
+    tracing.setup(args.otlp_endpoint, "specd-orchestrator")  # this process; the Ray workers set up their own
     start_ray(args.ray_address)
     server = OrchestratorServer(
         args.draft,
@@ -291,6 +306,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
         service_security=service_security,
         max_concurrent_requests=args.max_concurrent_requests,
         max_prompt_tokens=args.max_prompt_tokens,
+        otlp_endpoint=args.otlp_endpoint,
     )
     try:
         asyncio.run(

@@ -13,7 +13,7 @@ from specd.cli.common import (
     add_stack_device_flags,
     check_stack_devices,
 )
-from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS
+from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, add_tracing_flag
 
 
 def add_parser(verbs) -> None:
@@ -100,6 +100,7 @@ def add_parser(verbs) -> None:
     add_stack_device_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
+    add_tracing_flag(parser)  # passed to all three processes
     parser.set_defaults(run=run)
 
 
@@ -109,6 +110,11 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--threads", "--draft-threads", "--target-threads"):
         if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value < 1:
             raise UserError(f"{flag} must be >= 1")
+    if args.ray_address and args.otlp_endpoint:
+        raise UserError(
+            "--otlp-endpoint is not passed on to a cluster's actors yet: use it with a stack on this machine, "
+            "or with each `specd serve`"
+        )
     if args.ray_address and (args.draft_threads or args.target_threads):
         raise UserError(
             "--draft-threads and --target-threads are for a stack on this machine; on a cluster use --threads"
@@ -199,6 +205,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_engine=args.draft_engine,
             target_engine=args.engine,
             drafter=args.drafter,
+            otlp_endpoint=args.otlp_endpoint,
         )
     )
     try:

@@ -48,6 +48,7 @@ class StackConfig:
     target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid)
+    otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
     extra_service_flags: list[str] = field(default_factory=list)
     # Environment of the two model services, where this process's own does not set the variable
     # (`specd up` puts SHARED_CORES_ENV here).
@@ -101,6 +102,7 @@ class LocalStack:
                     device=config.draft_device,
                     cuda_graphs=config.draft_cuda_graphs,
                     engine=config.draft_engine,
+                    otlp_endpoint=config.otlp_endpoint,
                 ),
                 *config.extra_service_flags,
             ],
@@ -121,6 +123,7 @@ class LocalStack:
                     device=config.target_device,
                     cuda_graphs=config.target_cuda_graphs,
                     engine=config.target_engine,
+                    otlp_endpoint=config.otlp_endpoint,
                 ),
                 *config.extra_service_flags,
             ],
@@ -146,7 +149,12 @@ class LocalStack:
                 str(self.http_port),
                 "--workers",
                 str(config.workers),
-                *_flags(ray_address=config.ray_address, draft_tokens=config.draft_tokens, drafter=config.drafter),
+                *_flags(
+                    ray_address=config.ray_address,
+                    draft_tokens=config.draft_tokens,
+                    drafter=config.drafter,
+                    otlp_endpoint=config.otlp_endpoint,
+                ),
             ],
         )
         await self._wait(orchestrator)

@@ -12,7 +12,7 @@ import torch
 
 from specd.model.engine import Row
 from specd.model.errors import EngineError, InvalidRequest
-from specd.model.sampling import Sampling, draw, probs_from_logits, prune_q
+from specd.model.sampling import Sampling, check_penalties, draw, penalise, probs_from_logits, prune_q
 from specd.model.service import ModelService, check_continuation, check_sampling, open_each, single
 from specd.model.sessions import Cursor
 from specd.proto.contract import Stream
@@ -56,6 +56,7 @@ class Drafter(ModelService):
         check_continuation(call.cursor)
         self.check_draft_length(call.k)
         check_sampling(call.sampling)
+        check_penalties(call.sampling, self.engine.description.vocab_size)
         self._check_q_bytes(call)
         return self.store.sync(call.cursor, extra_tokens=call.k - 1)
 
@@ -91,7 +92,11 @@ class Drafter(ModelService):
         nothing, where that row would take the call's rows past --max-q-bytes: _check_q_bytes counted
         min(top_k, V) entries a row, and logits tied at the k-th largest keep more. The call then
         answers the guesses it has (a smaller K), never a larger reply."""
-        position = call.cursor.start + len(call.cursor.tokens) + len(proposal.draft_tokens)
+        committed = call.cursor.start + len(call.cursor.tokens)
+        position = committed + len(proposal.draft_tokens)
+        if call.sampling.penalised:  # q, like p, penalised over everything before this position
+            history = self.store.sessions[call.cursor.session_id].tokens[:committed] + proposal.draft_tokens
+            logits = penalise(logits[None], call.sampling, history)[0]
         if call.sampling.greedy:
             proposal.draft_tokens.append(int(logits.argmax()))
             return True

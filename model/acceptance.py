@@ -35,8 +35,9 @@ def accept_draft(
     """Decide which draft tokens to keep.
 
     draft_tokens: [K] guesses; draft_tokens[i] sits at sequence position first_position + i.
-    p: [K+1, V] target rows: row i scores position first_position + i. When greedy, any
-       row-wise monotone score (the logits) will do; when sampling, probabilities.
+    p: [K+1, V] target rows: row i scores position first_position + i, penalised (sampling.py
+       penalise) over everything before that position, draft_tokens[:i] included. When greedy,
+       any row-wise monotone score (the penalised logits) will do; when sampling, probabilities.
     q: [K, V] draft probabilities the drafts were sampled from; None when greedy.
     """
     k = len(draft_tokens)

@@ -9,6 +9,7 @@ greedy output over gRPC).
 """
 
 import asyncio
+import secrets
 import time
 from dataclasses import dataclass
 
@@ -21,10 +22,14 @@ from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.worker import WorkerPool
-from specd.proto.limits import q_draft_tokens
+from specd.proto.limits import penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 
 INFO_TIMEOUT_S = 2.0  # a service's Info is answered on its event loop, never behind a model pass
+
+MAX_TOP_LOGPROBS = 20  # as OpenAI bounds top_logprobs (and the target service: verifier.py)
+MAX_PROMPT_LOGPROBS_TOKENS = 1024  # the target scores a prompt's tokens up to this long (verifier.py)
+SEED_BITS = 63  # a drawn seed fits a signed 64-bit integer too (JSON clients, numpy)
 
 # SpeculationStats fields that grow with the output (per step): the HTTP API sends them only on `trace`.
 STEP_FIELDS = ("step_draft_seconds", "step_verify_seconds")
@@ -143,6 +148,17 @@ class Core:
             raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
         if not 0 <= sampling.top_p <= 1:
             raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}")
+        logit_bias = dict(sampling.logit_bias)
+        penalties = (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty or 1.0)
+        problem = penalty_problem(*penalties, logit_bias, vocab_size)
+        if problem:
+            raise BadRequest(problem[1])
+        if message.top_logprobs > MAX_TOP_LOGPROBS:
+            raise BadRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {message.top_logprobs}")
+        if message.prompt_logprobs and len(prompt_ids) > MAX_PROMPT_LOGPROBS_TOKENS:
+            raise BadRequest(
+                f"prompt_logprobs takes prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens, got {len(prompt_ids)}"
+            )
         k = message.draft_tokens if message.HasField("draft_tokens") else self.default_draft_tokens
         if k is not None and k > self.services_max_k:
             raise BadRequest(
@@ -161,13 +177,20 @@ class Core:
             temperature=sampling.temperature,
             top_p=sampling.top_p or 1.0,
             top_k=sampling.top_k,
-            seed=sampling.seed,
+            seed=sampling.seed if sampling.HasField("seed") else secrets.randbits(SEED_BITS),  # unseeded: random
+            presence_penalty=sampling.presence_penalty,
+            frequency_penalty=sampling.frequency_penalty,
+            repetition_penalty=sampling.repetition_penalty,
+            logit_bias=logit_bias,
             stop=list(message.stop),
             draft_tokens=k,
             max_draft_tokens=max_k,
             ignore_eos=message.ignore_eos,
             drafter=drafter,
             deadline=None if time_remaining is None else time.time() + time_remaining,
+            logprobs=message.logprobs,
+            top_logprobs=message.top_logprobs if message.logprobs else 0,
+            prompt_logprobs=message.logprobs and message.prompt_logprobs,
         )
 
 

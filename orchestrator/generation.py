@@ -32,6 +32,7 @@ from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, PromptLookup
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.text import OutputText
+from specd.proto import tracing
 from specd.v1 import common_pb2, draft_pb2
 
 log = logging.getLogger("specd.orchestrator")
@@ -47,6 +48,10 @@ class GenerationRequest:
     top_p: float = 1.0
     top_k: int = 0
     seed: int = 0
+    presence_penalty: float = 0.0  # penalties and biases (common.proto SamplingParams): the services apply them
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 0.0  # 0 = off (1)
+    logit_bias: dict[int, float] = field(default_factory=dict)
     stop: list[str] = field(default_factory=list)
     draft_tokens: int | None = None  # K; 0 = speculation off; None = chosen every step (adaptive.py)
     max_draft_tokens: int = 8  # the largest K an adaptive request may choose
@@ -54,12 +59,22 @@ class GenerationRequest:
     ignore_eos: bool = False
     deadline: float | None = None  # time.time() by which the request must end
     session_id: str = ""  # the services' session id (the pool sets it, to release it if a worker dies)
+    logprobs: bool = False  # return the target's log p of each output token (its raw logits, target.proto)
+    top_logprobs: int = 0  # with logprobs: the N most likely tokens at each output position too
+    prompt_logprobs: bool = False  # with logprobs: those of the prompt's tokens after its first too (first Delta)
+
+
+TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
 
 
 @dataclass
 class Delta:
     text: str
     token_ids: list[int]
+    logprobs: list[float] = field(default_factory=list)  # of token_ids, when the request asked
+    top_logprobs: TopLogprobs = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)  # first Delta only: of prompt tokens 1..
+    prompt_top_logprobs: TopLogprobs = field(default_factory=list)
 
 
 @dataclass
@@ -68,6 +83,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     stats: "Stats"
+    seed: int = 0  # the seed the request sampled with (its own, or the one drawn for it)
 
 
 @dataclass
@@ -150,15 +166,25 @@ class Generation:
         policy: FaultPolicy = FaultPolicy(),
         draft_gate: DraftGate | None = None,
         costs: ServiceCosts | None = None,
+        trace_parent=None,
     ):
         self.request = request
+        self.trace_parent = trace_parent  # the caller's trace context (tracing.parent); None: a trace of its own
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
         session_id = request.session_id or uuid.uuid4().hex
         self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)
         self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy)
         self.sampling = common_pb2.SamplingParams(
-            temperature=request.temperature, top_p=request.top_p, top_k=request.top_k, seed=request.seed
+            temperature=request.temperature,
+            top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            logit_bias=request.logit_bias,
+            prompt_tokens=len(request.prompt_ids),  # where the output begins, for the penalties
         )
         self.output = OutputText(tokenizer, request.stop)
         self.eos_ids = set() if request.ignore_eos else eos_ids
@@ -189,10 +215,20 @@ class Generation:
     async def run(self):
         """Yield Delta events, then one Finished."""
         started = time.perf_counter()
+        request = self.request  # its span is not made current: the steps may run in different tasks
+        self.span = tracing.start_span(
+            "specd.request",
+            self.trace_parent,
+            session_id=self.target.session_id,
+            drafter=request.drafter,
+            max_new_tokens=request.max_new_tokens,
+            prompt_tokens=len(request.prompt_ids),
+        )
         try:
             reason = None
             while reason is None:
-                emitted, reason = await self.step()
+                with tracing.span("step", self.span, session_id=self.target.session_id):
+                    emitted, reason, verdict = await self.step()
                 text = self.output.add(emitted)
                 if self.output.stopped:
                     reason = "stop"
@@ -200,19 +236,43 @@ class Generation:
                     text += self.output.finish()
                 if self.stats.steps == 1:
                     self.stats.time_to_first_token_s = time.perf_counter() - started
-                yield Delta(text, emitted)
+                yield self.delta(text, emitted, verdict)
             yield self.finished(reason, time.perf_counter() - started)
         finally:
-            await asyncio.shield(self.release())
+            with tracing.current(self.span):  # the Release calls belong to the request's trace
+                await asyncio.shield(self.release())
+            self.span.end()
 
     def finished(self, reason: str, seconds: float) -> Finished:
+        tracing.annotate(self.span, completion_tokens=self.generated, finish_reason=reason)
         self.stats.total_seconds = seconds
         self.stats.completion_tokens = self.generated
         self.stats.resyncs = self.draft.resyncs + self.target.resyncs
-        return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats)
+        return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats, self.request.seed)
 
-    async def step(self) -> tuple[list[int], str | None]:
-        """One step: propose -> verify -> commit. Returns the committed tokens and a finish reason (None: go on)."""
+    def delta(self, text: str, emitted: list[int], verdict) -> Delta:
+        """The step's Delta, with the target's log-probabilities of the committed tokens when asked."""
+        delta = Delta(text, emitted)
+        if self.request.logprobs:
+            delta.logprobs = list(verdict.logprobs[: len(emitted)])
+            delta.top_logprobs = _top(verdict.top_logprobs[: len(emitted)])
+            delta.prompt_logprobs = list(verdict.prompt_logprobs)
+            delta.prompt_top_logprobs = _top(verdict.prompt_top_logprobs)
+        return delta
+
+    def logprob_options(self) -> dict:
+        """The VerifyRequest/DecodeRequest fields that ask the target for log-probabilities; the
+        prompt's on the first step only (a Decode from token 0, which opens the session)."""
+        if not self.request.logprobs:
+            return {}
+        options = dict(return_logprobs=True, top_logprobs=self.request.top_logprobs)
+        if self.request.prompt_logprobs and self.stats.steps == 0:
+            options["prompt_logprobs"] = True
+        return options
+
+    async def step(self) -> tuple[list[int], str | None, object]:
+        """One step: propose -> verify -> commit. Returns the committed tokens, a finish reason (None: go on)
+        and the target's reply (its log-probabilities)."""
         committed = self.committed
         # 1. Propose: K guesses after the committed tokens, from the prompt lookup where the text
         #    already holds a continuation worth more (no call), else from the draft. No guesses
@@ -227,15 +287,18 @@ class Generation:
         #    truncates to the agreed prefix on its next call (sessions.py).
         caught_up = self.target.behind(committed)  # > 0: this call also prefills (or resyncs) first
         started = time.perf_counter()
-        if guesses:
-            verdict, served = await self.target.verify(committed, guesses, proposal.q, self.sampling)
-        else:
-            verdict, served = await self.target.decode(committed, self.sampling)
+        with tracing.span("verify" if guesses else "decode", k=len(guesses)):
+            if guesses:
+                verdict, served = await self.target.verify(
+                    committed, guesses, proposal.q, self.sampling, **self.logprob_options()
+                )
+            else:
+                verdict, served = await self.target.decode(committed, self.sampling, **self.logprob_options())
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
         verify_time = (time.perf_counter() - started, served)
         self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, bool(looked_up), caught_up)
         # 4. Commit what the target emitted, cut at EOS or the token budget.
-        return self.commit(list(verdict.emitted_tokens))
+        return *self.commit(list(verdict.emitted_tokens)), verdict
 
     def draft_length(self, behind: int = 0) -> tuple[int, list[int]]:
         """K for this step and, where the prompt lookup guesses, its K guesses (else the draft's K):
@@ -276,7 +339,8 @@ class Generation:
             return None, NO_TIME
         started = time.perf_counter()
         try:
-            proposal, served = await self.draft.propose(committed, k, self.sampling)
+            with tracing.span("propose", k=k):
+                proposal, served = await self.draft.propose(committed, k, self.sampling)
         except ServiceFailed as failure:
             if self.draft.spent():
                 raise  # the request ran out of time, not the draft: end it (DEADLINE_EXCEEDED)
@@ -318,6 +382,14 @@ class Generation:
         if k and self.chooser:
             self.chooser.observe(k, accepted, lookup)
         self.draft_in_step = k > 0 and not lookup
+        tracing.annotate(  # the step's span
+            k=k,
+            accepted=accepted,
+            lookup=lookup,
+            draft_seconds=draft_s,
+            verify_seconds=verify_s,
+            network_seconds=network_s,
+        )
 
     def commit(self, emitted: list[int]) -> tuple[list[int], str | None]:
         """Append emitted tokens, cut at EOS or the token budget; returns them and a finish reason or None."""
@@ -335,3 +407,8 @@ class Generation:
     async def release(self) -> None:
         # Best effort: idle eviction frees whatever a dead service could not release.
         await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
+
+
+def _top(rows) -> TopLogprobs:
+    """TopLogprobs messages as plain lists (what a Ray worker streams back)."""
+    return [(list(row.token_ids), list(row.logprobs)) for row in rows]

@@ -10,15 +10,18 @@ Each request is translated into a specd.v1 GenerateRequest and goes through core
 request does (the same checks and limits, the same WorkerPool), so greedy output over HTTP equals
 greedy output over gRPC.
 
-Fields OpenAI defines but specd does not do (n > 1, logprobs, tools, penalties, ...) answer
+`n` choices per prompt and a list of prompts (completions) run as concurrent requests, choice
+index = prompt × n + choice, each with a seed of its own: a given `seed` + the choice's number, or
+a fresh one (every choice reports its `seed`). `logprobs` (and `echo`) are the target's own
+(openai_response.py). Fields OpenAI defines but specd does not do (best_of, suffix, tools, ...) answer
 400 naming the field, as do fields OpenAI does not define; null means "not set". So do a lone
 surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
 and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
 `top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "drafter": "ngram", "trace": true}`
 (K = 0 turns speculation off; drafter: model, ngram or hybrid; trace adds each step's draft and
-verify seconds). Every response (the last
-chunk, when streaming) carries the request's speculation stats in `"specd"`, named as the gRPC
-Final's SpeculationStats (core.stats_dict).
+verify seconds). Every response (each choice's last chunk, when streaming) carries the request's
+speculation stats in `"specd"`, named as the gRPC Final's SpeculationStats (core.stats_dict); with
+several choices, each choice carries its own.
 """
 
 import asyncio
@@ -46,9 +49,11 @@ from specd.orchestrator.openai_request import (
     UNSUPPORTED,
     ApiError,
     chat_message,
+    choices_per_prompt,
     compile_chat_template,
     extension,
     is_int,
+    logprobs_asked,
     sampling_params,
     shown,
     stop_strings,
@@ -57,6 +62,7 @@ from specd.orchestrator.openai_request import (
     typed_field,
     valid_unicode,
 )
+from specd.orchestrator.openai_response import LogprobsFormat, Scored, prompt_scored
 from specd.orchestrator.worker import Failed
 from specd.v1 import specdecode_pb2
 
@@ -75,14 +81,25 @@ STATUS_OF_CODE = {
 
 
 @dataclass
+class Choice:
+    """One choice of a request: a request of its own to the core, and its prompt for `echo`."""
+
+    message: specdecode_pb2.GenerateRequest
+    prompt: int = 0  # which prompt of the request (usage counts each prompt once)
+    echo: str = ""  # the prompt's text, prepended to the choice's text when echoed
+    echo_ids: list[int] = field(default_factory=list)  # its token ids, when echoed with logprobs
+
+
+@dataclass
 class Call:
     """One parsed HTTP request: what to generate and how to answer."""
 
     chat: bool
-    message: specdecode_pb2.GenerateRequest
+    choices: list[Choice]  # by OpenAI's index: prompt i, choice j -> i * n + j
     stream: bool = False
     include_usage: bool = False
     trace: bool = False  # add each step's seconds to the stats
+    logprobs: int | None = None  # None: none; else the alternatives asked per position
     created: int = field(default_factory=lambda: int(time.time()))
     id: str = ""
 
@@ -129,39 +146,69 @@ class OpenAiApi:
                 "model_not_found",
             )
         message = specdecode_pb2.GenerateRequest(ignore_eos=typed_field(body, "ignore_eos", bool, False))
-        if chat:
-            message.prompt_token_ids.extend(self.chat_prompt(body.get("messages")))
-        else:
-            self.completion_prompt(body.get("prompt"), message)
-        message.max_new_tokens = self.max_tokens(body, chat, len(message.prompt_token_ids))
+        prompts = [self.chat_prompt(body.get("messages"))] if chat else self.completion_prompts(body.get("prompt"))
+        n = choices_per_prompt(body, len(prompts))
+        echo = not chat and typed_field(body, "echo", bool, False)
+        logprobs = logprobs_asked(body, chat)
+        message.max_new_tokens = self.max_tokens(body, chat, len(prompts[0]) if chat else 0)  # chat: its ids
         message.sampling.CopyFrom(sampling_params(body))
         message.stop.extend(stop_strings(body))
         k, message.drafter, trace = extension(body, self.core.services_max_k)
         if k is not None:
             message.draft_tokens = k
-        return Call(chat, message, *streaming(body), trace=trace)
+        if logprobs is not None:
+            message.logprobs, message.top_logprobs, message.prompt_logprobs = True, logprobs, echo
+        choices = [
+            self.choice(message, index, prompt, j, echo) for index, prompt in enumerate(prompts) for j in range(n)
+        ]
+        return Call(chat, choices, *streaming(body), trace=trace, logprobs=logprobs)
 
-    def completion_prompt(self, prompt, message: specdecode_pb2.GenerateRequest) -> None:
-        """A string, or token ids; a list of one of those is fine, a batch of several is not."""
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
+    def choice(self, message: specdecode_pb2.GenerateRequest, index: int, prompt, j: int, echo: bool) -> Choice:
+        """Choice j of prompt `index`: with a seed given, its own seed + j (reproducible, and the
+        choices differ); without, the core draws one for each."""
+        own = specdecode_pb2.GenerateRequest()
+        own.CopyFrom(message)
         if isinstance(prompt, str):
-            message.prompt = prompt  # tokenized by the core, as a gRPC prompt is
-        elif isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
+            own.prompt = prompt  # tokenized by the core, as a gRPC prompt is
+        else:
+            own.prompt_token_ids.extend(prompt)
+        if message.sampling.HasField("seed"):
+            own.sampling.seed = (message.sampling.seed + j) % 2**64
+        choice = Choice(own, index)
+        if echo:
+            ids = (
+                prompt if isinstance(prompt, list) else self.core.tokenizer.encode(prompt, add_special_tokens=False).ids
+            )
+            choice.echo = (
+                prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids, skip_special_tokens=False)
+            )
+            choice.echo_ids = list(ids) if message.logprobs else []
+        return choice
+
+    def completion_prompts(self, prompt) -> list:
+        """`prompt`: a string, token ids, or a list of several of those (each a prompt of its own)."""
+        if prompt is None:
+            raise ApiError(400, "`prompt` is required", "prompt")
+        several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
+        prompts = prompt if several else [prompt]
+        return [self.completion_prompt(p, f"prompt[{i}]" if several else "prompt") for i, p in enumerate(prompts)]
+
+    def completion_prompt(self, prompt, where: str):
+        """One prompt: its text, or its token ids checked against the vocabulary."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             vocab_size = self.core.pair.target_info.vocab_size
             if max(prompt) >= vocab_size:  # also what a uint32 cannot carry
                 raise ApiError(
-                    400, f"prompt token id {shown(max(prompt))} is outside the vocabulary of {vocab_size}", "prompt"
+                    400, f"{where} token id {shown(max(prompt))} is outside the vocabulary of {vocab_size}", "prompt"
                 )
-            message.prompt_token_ids.extend(prompt)
-        elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-            raise ApiError(
-                400, "several prompts in one request are not supported: send one request per prompt", "prompt"
-            )
-        elif prompt is None:
-            raise ApiError(400, "`prompt` is required", "prompt")
-        elif prompt != []:
-            raise ApiError(400, "`prompt` must be a string or a list of token ids (integers >= 0)", "prompt")
+            return prompt
+        if prompt == []:
+            return []  # the core refuses it: the prompt is empty
+        raise ApiError(
+            400, "`prompt` must be a string, a list of token ids (integers >= 0), or a list of those", "prompt"
+        )
 
     def chat_prompt(self, messages) -> list[int]:
         """Render the messages with the target's chat template, then tokenize (special tokens included)."""
@@ -199,74 +246,150 @@ class OpenAiApi:
 
     # -- answering -------------------------------------------------------------------------
 
-    def start(self, call: Call):
-        """Validate as every API does and start generating; the events of the request."""
+    def start(self, call: Call) -> list:
+        """Validate every choice as every API does, then start generating; the events of each choice."""
         try:
-            return self.core.start(call.message, API_LABEL)
-        except BadRequest as error:
+            return [self.core.start(choice.message, API_LABEL) for choice in call.choices]
+        except BadRequest as error:  # nothing ran yet: a request's events start when first read
             raise ApiError(400, str(error)) from None
 
     async def complete(self, call: Call) -> dict:
-        text, finished = "", None
-        async with aclosing(self.start(call)) as events:
+        """Every choice run concurrently to its end; one failure cancels the others."""
+        runs = self.start(call)
+        try:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(self._collect(call, index, events)) for index, events in enumerate(runs)]
+        except* ApiError as failures:
+            raise failures.exceptions[0] from None
+        choices, stats = zip(*(task.result() for task in tasks))
+        finished = {index: done for index, (done, _) in enumerate(stats)}
+        answer = {
+            "id": call.id,
+            "object": "chat.completion" if call.chat else "text_completion",
+            "created": call.created,
+            "model": self.model_name,
+            "choices": list(choices),
+            "usage": usage(call, finished),
+        }
+        if len(choices) == 1:
+            answer["specd"] = stats[0][1]
+        else:
+            for choice, (_, own) in zip(choices, stats):
+                choice["specd"] = own
+        return answer
+
+    async def _collect(self, call: Call, index: int, events) -> tuple[dict, tuple[Finished, dict]]:
+        """One choice's events -> (its choice object, (its Finished, its stats))."""
+        choice, text, scored, finished = call.choices[index], "", Scored(), None
+        echoed = None
+        async with aclosing(events):
             async for event in events:
                 if isinstance(event, Failed):
                     raise _failed(event)
                 if isinstance(event, Delta):
                     text += event.text
+                    scored.add(event.token_ids, event.logprobs, event.top_logprobs)
+                    if echoed is None:
+                        echoed = prompt_scored(choice.echo_ids, event.prompt_logprobs, event.prompt_top_logprobs)
                 else:
                     finished = event
-        choice = {"index": 0, "finish_reason": finished.reason, "logprobs": None}
+        answer = {"index": index, "finish_reason": finished.reason, "logprobs": None, "seed": finished.seed}
         if call.chat:
-            choice["message"] = {"role": "assistant", "content": text}
+            answer["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = text
-        return {
-            "id": call.id,
-            "object": "chat.completion" if call.chat else "text_completion",
-            "created": call.created,
-            "model": self.model_name,
-            "choices": [choice],
-            "usage": usage(finished),
-            "specd": stats_dict(finished.stats, steps=call.trace),
-        }
+            answer["text"] = choice.echo + text
+        if call.logprobs is not None:
+            logprobs = LogprobsFormat(self.core.tokenizer, call.chat, call.logprobs)
+            if choice.echo_ids and echoed:
+                echoed.add(scored.token_ids, scored.logprobs, scored.top)
+                scored = echoed
+            answer["logprobs"] = logprobs.format(scored)
+        return answer, (finished, stats_dict(finished.stats, steps=call.trace))
 
     async def stream(self, call: Call):
-        """Server-sent events; the first event is awaited before the response starts, so an error
-        that ends a request before any output still gets its own HTTP status."""
-        events = self.start(call)
-        first = await anext(events)
-        if isinstance(first, Failed):
-            await events.aclose()
-            raise _failed(first)
+        """Server-sent events; each choice's first event is awaited before the response starts, so
+        an error that ends a request before any output still gets its own HTTP status."""
+        runs = self.start(call)
+        firsts = await asyncio.gather(*(anext(events) for events in runs))
+        failed = next((first for first in firsts if isinstance(first, Failed)), None)
+        if failed:
+            for events in runs:
+                await events.aclose()
+            raise _failed(failed)
         return StreamingResponse(
-            self._sse(call, first, events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            self._sse(call, list(zip(firsts, runs))),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
         )
 
-    async def _sse(self, call: Call, first, events):
-        """The stream's chunks: (chat: the role,) text deltas, the finish with stats, (usage,) [DONE].
-        A client that leaves cancels the request: closing `events` stops its generation loop."""
-        async with aclosing(events):
-            if call.chat:
-                yield _event(self._chunk(call, {"role": "assistant", "content": ""}))
+    async def _sse(self, call: Call, runs: list):
+        """The stream's chunks: per choice (chat: the role,) (the echoed prompt,) text deltas, the
+        finish with its seed and stats; then (usage,) [DONE]. The choices' chunks interleave as they
+        come. A client that leaves cancels every choice: their generation loops stop."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, first, events) -> None:
             event = first
-            while event is not None:
-                if isinstance(event, Failed):
+            async with aclosing(events):
+                while event is not None:
+                    await queue.put((index, event))
+                    event = await anext(events, None)
+            await queue.put((index, None))
+
+        pumps = [asyncio.create_task(pump(index, *run)) for index, run in enumerate(runs)]
+        formats = [LogprobsFormat(self.core.tokenizer, call.chat, call.logprobs or 0) for _ in runs]
+        started, finished, running, failed = set(), {}, len(runs), False
+        try:
+            if call.chat:
+                for index in range(len(runs)):
+                    yield _event(self._chunk(call, index, {"role": "assistant", "content": ""}))
+            while running and not failed:
+                index, event = await queue.get()
+                if event is None:
+                    running -= 1
+                elif isinstance(event, Failed):
                     yield _event(_failed(event).body())
+                    failed = True  # the others stop too (finally)
                 elif isinstance(event, Delta):
-                    if event.text:
-                        yield _event(self._chunk(call, {"content": event.text} if call.chat else event.text))
+                    if index not in started:
+                        started.add(index)
+                        chunk = self._echo_chunk(call, index, event, formats[index])
+                        if chunk:
+                            yield _event(chunk)
+                    if event.text or (call.logprobs is not None and event.token_ids):
+                        chunk = self._chunk(call, index, {"content": event.text} if call.chat else event.text)
+                        if call.logprobs is not None:
+                            scored = Scored()
+                            scored.add(event.token_ids, event.logprobs, event.top_logprobs)
+                            chunk["choices"][0]["logprobs"] = formats[index].format(scored)
+                        yield _event(chunk)
                 else:
-                    last = self._chunk(call, {} if call.chat else "", event.reason)
+                    finished[index] = event
+                    last = self._chunk(call, index, {} if call.chat else "", event.reason)
+                    last["choices"][0]["seed"] = event.seed
                     last["specd"] = stats_dict(event.stats, steps=call.trace)
                     yield _event(last)
-                    if call.include_usage:
-                        yield _event({**self._chunk(call, None), "choices": [], "usage": usage(event)})
-                event = await anext(events, None)
+            if call.include_usage and not failed:
+                yield _event({**self._chunk(call, 0, None), "choices": [], "usage": usage(call, finished)})
             yield "data: [DONE]\n\n"
+        finally:
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
 
-    def _chunk(self, call: Call, delta, finish: str | None = None) -> dict:
-        choice = {"index": 0, "finish_reason": finish, "logprobs": None, ("delta" if call.chat else "text"): delta}
+    def _echo_chunk(self, call: Call, index: int, first: Delta, logprobs: LogprobsFormat) -> dict | None:
+        """The echoed prompt of a completion choice, before its first tokens (None: not echoed)."""
+        choice = call.choices[index]
+        if call.chat or not choice.echo:
+            return None
+        chunk = self._chunk(call, index, choice.echo)
+        if call.logprobs is not None:
+            scored = prompt_scored(choice.echo_ids, first.prompt_logprobs, first.prompt_top_logprobs)
+            chunk["choices"][0]["logprobs"] = logprobs.format(scored)
+        return chunk
+
+    def _chunk(self, call: Call, index: int, delta, finish: str | None = None) -> dict:
+        choice = {"index": index, "finish_reason": finish, "logprobs": None, ("delta" if call.chat else "text"): delta}
         return {
             "id": call.id,
             "object": "chat.completion.chunk" if call.chat else "text_completion",
@@ -427,11 +550,16 @@ class _InLoopServer(uvicorn.Server):
 # -- translation helpers -------------------------------------------------------------------------
 
 
-def usage(finished: Finished) -> dict:
+def usage(call: Call, finished: dict[int, Finished]) -> dict:
+    """Over the choices (index -> its Finished): each prompt's tokens once, as OpenAI and vLLM count
+    them, and every choice's output."""
+    prompts = {call.choices[index].prompt: done.prompt_tokens for index, done in finished.items()}
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(done.completion_tokens for done in finished.values())
     return {
-        "prompt_tokens": finished.prompt_tokens,
-        "completion_tokens": finished.completion_tokens,
-        "total_tokens": finished.prompt_tokens + finished.completion_tokens,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
     }
 
 

@@ -9,6 +9,7 @@ from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from specd.orchestrator.lookup import DRAFTERS
+from specd.proto.limits import penalty_problem
 from specd.v1 import common_pb2
 
 # Fields both endpoints take; then each endpoint's own.
@@ -24,10 +25,19 @@ COMMON_FIELDS = {
     "stream_options",
     "user",
     "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",  # vLLM's extension
+    "logit_bias",
+    "n",
+    "logprobs",
     "specd",
 }
-COMPLETION_FIELDS = COMMON_FIELDS | {"prompt"}
-CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens"}
+COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
+CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+MAX_CHOICES = 16  # n x prompts of one request: each is a session of its own on both services
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on /v1/completions' `logprobs`
+MAX_CHAT_TOP_LOGPROBS = 20  # and on /v1/chat/completions' `top_logprobs`
 
 # OpenAI's chat roles, less those of tool calling (`tool`, `function`), which specd does not do.
 ROLES = ("system", "user", "assistant", "developer")
@@ -38,15 +48,8 @@ KINDS = {str: "a string", bool: "true or false", dict: "an object"}  # as typed_
 
 # OpenAI fields specd does not implement: accepted only at their default value.
 UNSUPPORTED = {
-    "n": ((1,), "specd returns one choice per request; send n requests instead"),
-    "best_of": ((1,), "specd returns one choice per request"),
-    "echo": ((False,), "the prompt is not echoed back"),
+    "best_of": ((1,), "specd generates only the choices it returns (`n`)"),
     "suffix": (("",), "insertion (suffix) is not supported"),
-    "logprobs": ((False, 0), "log probabilities are not returned"),
-    "top_logprobs": ((0,), "log probabilities are not returned"),
-    "presence_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
-    "frequency_penalty": ((0,), "penalties would change the target's distribution, which speculation keeps exact"),
-    "logit_bias": (({},), "logit_bias would change the target's distribution, which speculation keeps exact"),
     "tools": (([],), "tool calling is not supported"),
     "tool_choice": (("none",), "tool calling is not supported"),
     "functions": (([],), "function calling is not supported"),
@@ -225,10 +228,74 @@ def sampling_params(body: dict) -> common_pb2.SamplingParams:
     top_k = body.get("top_k", 0)
     if not is_int(top_k) or not -1 <= top_k < UINT32:
         raise ApiError(400, f"`top_k` must be an integer in [-1, 2^32) (0 or -1: off), got {shown(top_k)}", "top_k")
-    seed = body.get("seed", 0)
-    if not is_int(seed) or not 0 <= seed < 2**64:
+    seed = body.get("seed")  # None: unset, the core draws one per choice
+    if seed is not None and (not is_int(seed) or not 0 <= seed < 2**64):
         raise ApiError(400, f"`seed` must be an integer in [0, 2^64), got {shown(seed)}", "seed")
-    return common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed)
+    return common_pb2.SamplingParams(
+        temperature=temperature, top_p=top_p, top_k=max(0, top_k), seed=seed, **penalties(body)
+    )
+
+
+def choices_per_prompt(body: dict, prompts: int) -> int:
+    """`n`, with n x prompts at most MAX_CHOICES."""
+    n = body.get("n", 1)
+    if not is_int(n) or n < 1:
+        raise ApiError(400, f"`n` must be an integer >= 1, got {shown(n)}", "n")
+    if n * prompts > MAX_CHOICES:
+        several = f" x {prompts} prompts" if prompts > 1 else ""
+        raise ApiError(
+            400, f"`n` = {n}{several} asks for {n * prompts} choices, specd returns at most {MAX_CHOICES}", "n"
+        )
+    return n
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """None: no log-probabilities; else how many alternatives per position. Completions: `logprobs`
+    0..5; chat: `logprobs: true` and `top_logprobs` 0..20 (which needs it)."""
+    if not chat:
+        asked = body.get("logprobs")
+        if asked is False:  # not OpenAI's type (an integer or null), but what clients send for "none"
+            return None
+        if asked is not None and (not is_int(asked) or not 0 <= asked <= MAX_COMPLETION_LOGPROBS):
+            raise ApiError(
+                400, f"`logprobs` must be an integer in 0..{MAX_COMPLETION_LOGPROBS}, got {shown(asked)}", "logprobs"
+            )
+        return asked
+    asked = typed_field(body, "logprobs", bool, False)
+    top = body.get("top_logprobs")
+    if top is not None and (not is_int(top) or not 0 <= top <= MAX_CHAT_TOP_LOGPROBS):
+        raise ApiError(
+            400, f"`top_logprobs` must be an integer in 0..{MAX_CHAT_TOP_LOGPROBS}, got {shown(top)}", "top_logprobs"
+        )
+    if top is not None and not asked:
+        raise ApiError(400, "`top_logprobs` needs `logprobs: true`", "top_logprobs")
+    return (top or 0) if asked else None
+
+
+def penalties(body: dict) -> dict:
+    """presence_penalty, frequency_penalty, repetition_penalty (vLLM's extension) and logit_bias as
+    SamplingParams fields, checked against OpenAI's bounds (proto/limits.py penalty_problem); the token
+    ids of logit_bias against the vocabulary in the core. They apply when greedy too."""
+    presence, frequency = _number(body, "presence_penalty", 0.0), _number(body, "frequency_penalty", 0.0)
+    repetition = _number(body, "repetition_penalty", 1.0)
+    logit_bias = typed_field(body, "logit_bias", dict, {})
+    biases = {}
+    for key, bias in logit_bias.items():
+        token = int(key) if key.isascii() and key.isdecimal() else None
+        if token is None or token >= UINT32:
+            raise ApiError(400, f"`logit_bias` keys must be token ids (integers >= 0), got {shown(key)}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+            raise ApiError(400, f"`logit_bias` of token {token} must be a number, got {shown(bias)}", "logit_bias")
+        biases[token] = float(bias)
+    problem = penalty_problem(presence, frequency, repetition, biases, None)
+    if problem:
+        raise ApiError(400, problem[1], problem[0])
+    return {
+        "presence_penalty": presence,
+        "frequency_penalty": frequency,
+        "repetition_penalty": repetition,
+        "logit_bias": biases,
+    }
 
 
 def _number(body: dict, name: str, default: float) -> float:

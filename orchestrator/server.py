@@ -18,7 +18,7 @@ from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.worker import Failed, WorkerPool
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.metrics import start_exporter
-from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
+from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 SERVICE_NAME = "specd.v1.SpecDecode"
 API_LABEL = "grpc"  # the `api` label of this API's requests in the metrics
@@ -44,14 +44,28 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
 
 def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
     if isinstance(event, Delta):
-        return specdecode_pb2.GenerateResponse(delta=specdecode_pb2.Delta(text=event.text, token_ids=event.token_ids))
+        delta = specdecode_pb2.Delta(
+            text=event.text,
+            token_ids=event.token_ids,
+            logprobs=event.logprobs,
+            top_logprobs=[_top(row) for row in event.top_logprobs],
+            prompt_logprobs=event.prompt_logprobs,
+            prompt_top_logprobs=[_top(row) for row in event.prompt_top_logprobs],
+        )
+        return specdecode_pb2.GenerateResponse(delta=delta)
     return specdecode_pb2.GenerateResponse(
         final=specdecode_pb2.Final(
             finish_reason=event.reason,
             usage=specdecode_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
             stats=stats_proto(event.stats),
+            seed=event.seed,
         )
     )
+
+
+def _top(row: tuple[list[int], list[float]]) -> common_pb2.TopLogprobs:
+    token_ids, logprobs = row
+    return common_pb2.TopLogprobs(token_ids=token_ids, logprobs=logprobs)
 
 
 class OrchestratorServer:
@@ -70,6 +84,7 @@ class OrchestratorServer:
         max_prompt_tokens: int | None = None,
         max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
         drafter: str = DEFAULT_DRAFTER,
+        otlp_endpoint: str | None = None,
     ):
         self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
         self.security = security  # this server's token and TLS
@@ -80,6 +95,7 @@ class OrchestratorServer:
         self.default_draft_tokens = default_draft_tokens  # None: adaptive
         self.max_draft_tokens = max_draft_tokens
         self.drafter = drafter  # for requests that leave it empty (lookup.py)
+        self.otlp_endpoint = otlp_endpoint  # where the Ray workers send their spans (proto/tracing.py); None: off
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
         self.pool: WorkerPool | None = None
@@ -98,6 +114,7 @@ class OrchestratorServer:
             security=self.service_security,
             max_requests=self.limits[0],
             pair=pair,
+            otlp_endpoint=self.otlp_endpoint,
         )
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())

@@ -110,24 +110,25 @@ class RemoteSession:
         self._record(committed + list(reply.draft_tokens), reply.cached_tokens)
         return reply, seconds
 
-    async def verify(self, committed: list[int], draft_tokens, q, sampling: common_pb2.SamplingParams):
-        """Target: the accepted guesses plus its own token, scored in one pass."""
+    async def verify(self, committed: list[int], draft_tokens, q, sampling: common_pb2.SamplingParams, **options):
+        """Target: the accepted guesses plus its own token, scored in one pass; `options`: more
+        VerifyRequest fields (return_logprobs, top_logprobs)."""
         reply, seconds = await self._call(
             committed,
             lambda cursor: self.stub.Verify(
-                target_pb2.VerifyRequest(cursor=cursor, draft_tokens=draft_tokens, q=q, sampling=sampling),
+                target_pb2.VerifyRequest(cursor=cursor, draft_tokens=draft_tokens, q=q, sampling=sampling, **options),
                 timeout=self.timeout(),
             ),
         )
         self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
         return reply, seconds
 
-    async def decode(self, committed: list[int], sampling: common_pb2.SamplingParams):
-        """Target, speculation off: one token of its own."""
+    async def decode(self, committed: list[int], sampling: common_pb2.SamplingParams, **options):
+        """Target, speculation off: one token of its own; `options`: more DecodeRequest fields."""
         reply, seconds = await self._call(
             committed,
             lambda cursor: self.stub.Decode(
-                target_pb2.DecodeRequest(cursor=cursor, sampling=sampling), timeout=self.timeout()
+                target_pb2.DecodeRequest(cursor=cursor, sampling=sampling, **options), timeout=self.timeout()
             ),
         )
         self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)

@@ -22,6 +22,7 @@ from specd.orchestrator.adaptive import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
 from specd.v1 import common_pb2
 
@@ -41,7 +42,9 @@ class GenerationWorker:
         target_address: str,
         policy: FaultPolicy = FaultPolicy(),
         security: ClientSecurity = ClientSecurity(),
+        otlp_endpoint: str | None = None,
     ):
+        tracing.setup(otlp_endpoint, "specd-orchestrator")  # this actor is a process of its own: it traces itself
         self.addresses = (draft_address, target_address)
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
@@ -54,7 +57,8 @@ class GenerationWorker:
         await self._connect()
         return True
 
-    async def generate(self, request: GenerationRequest):
+    async def generate(self, request: GenerationRequest, trace_carrier: dict[str, str] | None = None):
+        """The request's events; `trace_carrier`: the caller's trace context (tracing.carrier)."""
         await self._connect()
         generation = Generation(
             request,
@@ -65,6 +69,7 @@ class GenerationWorker:
             self.policy,
             self.draft_gate,
             self.costs,
+            trace_parent=tracing.parent(trace_carrier),
         )
         try:
             async for event in generation.run():
@@ -99,10 +104,11 @@ class WorkerPool:
         security: ClientSecurity = ClientSecurity(),
         max_requests: int | None = None,
         pair: ServicePair | None = None,
+        otlp_endpoint: str | None = None,
     ):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
-                draft_address, target_address, policy, security
+                draft_address, target_address, policy, security, otlp_endpoint
             )
             for _ in range(workers)
         ]
@@ -187,7 +193,8 @@ class WorkerPool:
 
     async def _stream(self, index: int, request: GenerationRequest):
         self.in_flight[index] += 1
-        stream = self.actors[index].generate.options(num_returns="streaming").remote(request)
+        # The trace context of the call being served (its gRPC span), for the worker's spans of the request.
+        stream = self.actors[index].generate.options(num_returns="streaming").remote(request, tracing.carrier())
         try:
             async for ref in stream:
                 yield await ref

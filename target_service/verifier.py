@@ -3,14 +3,14 @@
 Concurrent calls share that pass (verify_batch); each keeps its own rule, randomness and rollback.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from specd.model.acceptance import accept_draft
 from specd.model.engine import Row
 from specd.model.errors import EngineError, InvalidRequest
-from specd.model.sampling import Sampling, densify, probs_from_logits
+from specd.model.sampling import Sampling, check_penalties, densify, penalise, probs_from_logits
 from specd.model.service import ModelService, check_continuation, check_sampling, open_each, single
 from specd.model.sessions import Cursor, Session
 
@@ -22,10 +22,18 @@ class VerifyCall:
     q_rows: list[tuple[torch.Tensor, torch.Tensor]]  # when sampling: (token ids, probs) per draft token
     sampling: Sampling
     return_logprobs: bool = False
+    top_logprobs: int = 0  # with return_logprobs: the N most likely tokens at each emitted position too
+    prompt_logprobs: bool = False  # with return_logprobs, on a decode from token 0: score cursor.tokens[1:] too
 
     @property
     def new_tokens(self) -> int:
         return len(self.cursor.tokens) + len(self.draft_tokens)
+
+    @property
+    def logit_rows(self) -> int:
+        """Rows of logits the pass keeps: one per draft token plus the bonus row, or, scoring the
+        prompt, one per cursor token (row i scores token i + 1; the last is the decode's)."""
+        return len(self.cursor.tokens) if self.prompt_logprobs else len(self.draft_tokens) + 1
 
 
 @dataclass
@@ -34,6 +42,9 @@ class Verification:
     emitted_tokens: list[int]  # accepted drafts + recovered or bonus token
     logprobs: list[float]  # log p of each emitted token (empty unless asked)
     cached_tokens: int  # session length after the rollback
+    top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per emitted token
+    prompt_logprobs: list[float] = field(default_factory=list)  # of cursor.tokens[1:], when asked
+    prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
 
 
 class Verifier(ModelService):
@@ -46,8 +57,7 @@ class Verifier(ModelService):
         """One forward pass over every call's committed tail + drafts, then each call's rule and rollback."""
         results, ready = open_each(calls, self._open)
         rows = [
-            Row(call.cursor.session_id, call.cursor.tokens + call.draft_tokens, len(call.draft_tokens) + 1)
-            for _, call, _ in ready
+            Row(call.cursor.session_id, call.cursor.tokens + call.draft_tokens, call.logit_rows) for _, call, _ in ready
         ]
         logits = self.store.forward(rows) if rows else []
         for (index, call, (session, q)), call_logits in zip(ready, logits):
@@ -58,8 +68,10 @@ class Verifier(ModelService):
         """Every check, then the session synced to the cursor (checks first: a refusal changes nothing)."""
         check_continuation(call.cursor)
         check_sampling(call.sampling)
+        check_penalties(call.sampling, self.engine.description.vocab_size)
         if call.draft_tokens:
             self.check_draft_length(len(call.draft_tokens))
+        _check_logprobs(call)
         self.store.check_tokens(call.draft_tokens, "draft tokens")
         q = None if call.sampling.greedy else self._dense_q(call.q_rows, call.draft_tokens)
         return self.store.sync(call.cursor, extra_tokens=len(call.draft_tokens)), q
@@ -67,11 +79,21 @@ class Verifier(ModelService):
     def _judge(self, call: VerifyCall, session: Session, q, logits: torch.Tensor) -> Verification:
         """The acceptance rule on the target's rows, then the rollback to what it kept."""
         first_position = call.cursor.start + len(call.cursor.tokens)  # where draft_tokens[0] sits
-        p = logits if call.sampling.greedy else probs_from_logits(logits, call.sampling)
+        prompt_rows, logits = (logits[:-1], logits[-1:]) if call.prompt_logprobs else (None, logits)
+        # Row i's penalties count the committed tokens and the guesses before it (sampling.py penalise).
+        scores = penalise(logits, call.sampling, session.tokens[:first_position], call.draft_tokens)
+        p = scores if call.sampling.greedy else probs_from_logits(scores, call.sampling)
         verdict = accept_draft(call.draft_tokens, p, q, call.sampling, first_position)
         self.store.truncate(session, first_position + verdict.accepted)  # the rollback
-        logprobs = _logprobs(logits, verdict.emitted) if call.return_logprobs else []
-        return Verification(verdict.accepted, verdict.emitted, logprobs, len(session.tokens))
+        verification = Verification(verdict.accepted, verdict.emitted, [], len(session.tokens))
+        if call.return_logprobs:  # from the raw logits: vLLM's raw logprobs (target.proto)
+            verification.logprobs, verification.top_logprobs = _logprobs(logits, verdict.emitted, call.top_logprobs)
+        if prompt_rows is not None:
+            scored = call.cursor.tokens[1:]
+            verification.prompt_logprobs, verification.prompt_top_logprobs = _logprobs(
+                prompt_rows, scored, call.top_logprobs
+            )
+        return verification
 
     def _dense_q(self, q_rows, draft_tokens: list[int]) -> torch.Tensor:
         k = len(draft_tokens)
@@ -91,7 +113,29 @@ class Verifier(ModelService):
         return q.to(self.engine.description.device)  # checked on the host, where it arrived; used beside p
 
 
-def _logprobs(logits: torch.Tensor, emitted: list[int]) -> list[float]:
-    """log p (temperature 1) of emitted[i] under row i (one copy to the host)."""
-    rows = torch.log_softmax(logits[: len(emitted)], dim=-1)
-    return rows[torch.arange(len(emitted), device=rows.device), torch.tensor(emitted, device=rows.device)].tolist()
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
+MAX_PROMPT_LOGPROBS_TOKENS = 1024  # scoring a prompt keeps a row of logits per token: 0.6 GB at Qwen2.5's vocabulary
+
+
+def _check_logprobs(call: VerifyCall) -> None:
+    if call.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {call.top_logprobs}")
+    if call.prompt_logprobs:
+        if call.draft_tokens or call.cursor.start or not call.return_logprobs:
+            raise InvalidRequest("prompt_logprobs needs return_logprobs on a Decode whose cursor starts at 0")
+        if len(call.cursor.tokens) > MAX_PROMPT_LOGPROBS_TOKENS:
+            raise InvalidRequest(
+                f"prompt_logprobs takes prompts of at most {MAX_PROMPT_LOGPROBS_TOKENS} tokens, "
+                f"got {len(call.cursor.tokens)}"
+            )
+
+
+def _logprobs(logits: torch.Tensor, tokens: list[int], top: int = 0) -> tuple[list[float], list]:
+    """log p (temperature 1, raw logits) of tokens[i] under row i, and (top > 0) each row's `top`
+    most likely (token ids, log p), most likely first; one copy to the host each."""
+    rows = torch.log_softmax(logits[: len(tokens)].float(), dim=-1)
+    chosen = rows[torch.arange(len(tokens), device=rows.device), torch.tensor(tokens, device=rows.device)].tolist()
+    if not top:
+        return chosen, []
+    values, indices = rows.topk(top, dim=-1)
+    return chosen, list(zip(indices.tolist(), values.tolist()))

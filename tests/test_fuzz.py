@@ -285,8 +285,10 @@ WELL_FORMED = {
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "ignore_eos": st.booleans(),
     "user": st.text(max_size=5),
-    "n": st.just(1),
-    "logprobs": st.sampled_from([0, False]),
+    "n": st.integers(1, 2),
+    "logprobs": st.sampled_from([0, 2, False, True]),  # completions take 0..5, chat true or false
+    "top_logprobs": st.integers(0, 3),
+    "echo": st.booleans(),
     "specd": st.fixed_dictionaries({}, optional={"draft_tokens": st.integers(0, 8), "trace": st.booleans()}),
     "guided_json": ANY,  # not an OpenAI field: always refused
 }

@@ -207,14 +207,17 @@ async def test_models_health_and_wrong_model(tiny_http):
 @pytest.mark.parametrize(
     "path, fields, param, fragment",
     [
-        ("completions", {"n": 2}, "n", "one choice per request"),
-        ("completions", {"best_of": 3}, "best_of", "one choice"),
-        ("completions", {"echo": True}, "echo", "not echoed"),
-        ("completions", {"logprobs": 5}, "logprobs", "log probabilities"),
+        ("completions", {"n": 0}, "n", "integer >= 1"),
+        ("completions", {"n": 100}, "n", "at most 16"),
+        ("completions", {"n": 9, "prompt": ["a", "b"]}, "n", "x 2 prompts asks for 18 choices"),
+        ("completions", {"best_of": 3}, "best_of", "choices it returns"),
+        ("completions", {"echo": "yes"}, "echo", "true or false"),
+        ("completions", {"logprobs": 6}, "logprobs", "0..5"),
+        ("completions", {"logprobs": True}, "logprobs", "0..5"),
+        ("completions", {"top_logprobs": 2}, "top_logprobs", "unknown field"),
         ("completions", {"suffix": "}"}, "suffix", "suffix"),
-        ("completions", {"logit_bias": {"42": 5}}, "logit_bias", "logit_bias"),
-        ("completions", {"presence_penalty": 0.5}, "presence_penalty", "penalties"),
-        ("completions", {"frequency_penalty": 1}, "frequency_penalty", "penalties"),
+        ("completions", {"logit_bias": {"42": 500}}, "logit_bias", "[-100, 100]"),  # served: tests/test_penalties.py
+        ("completions", {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
         ("completions", {"guided_json": {}}, "guided_json", "unknown field"),
         ("completions", {"temperature": -1}, "temperature", ">= 0"),
         ("completions", {"temperature": "hot"}, "temperature", "finite number"),
@@ -222,7 +225,8 @@ async def test_models_health_and_wrong_model(tiny_http):
         ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
         ("completions", {"seed": -1}, "seed", "seed"),
         ("completions", {"stop": 5}, "stop", "stop"),
-        ("completions", {"prompt": ["one", "two"]}, "prompt", "one request per prompt"),
+        ("completions", {"prompt": ["one", 5]}, "prompt", "a list of those"),
+        ("completions", {"prompt": ["ok", [5, 2**32]]}, "prompt", "prompt[1] token id"),
         ("completions", {"prompt": ""}, None, "empty"),
         ("completions", {"max_tokens": 100_000}, "max_tokens", "exceeds the 4096 tokens"),
         ("completions", {"max_tokens": 10**20}, "max_tokens", "exceeds the 4096 tokens"),  # beyond a uint32
@@ -258,7 +262,11 @@ async def test_models_health_and_wrong_model(tiny_http):
         ("completions", {"user": ["me"]}, "user", "must be a string"),
         ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
         ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
-        ("chat/completions", {"n": 3}, "n", "one choice"),
+        ("chat/completions", {"n": 17}, "n", "at most 16"),
+        ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
+        ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs `logprobs: true`"),
+        ("chat/completions", {"logprobs": 3}, "logprobs", "true or false"),
+        ("chat/completions", {"echo": True}, "echo", "unknown field"),
         ("chat/completions", {"messages": []}, "messages", "non-empty"),
         (
             "chat/completions",
@@ -389,7 +397,7 @@ async def test_metrics_agree_with_the_per_request_stats(tiny_http):
         )
         stats.append(completion.model_extra["specd"])
     _, final = await grpc_generate(stack, 9, k=3, prompt=PROMPT)
-    assert (await http("POST", f"{base}/v1/completions", {"prompt": PROMPT, "n": 2}))[0] == 400  # refused by parse
+    assert (await http("POST", f"{base}/v1/completions", {"prompt": PROMPT, "n": 0}))[0] == 400  # refused by parse
     assert (await http("POST", f"{base}/v1/completions", {"prompt": ""}))[0] == 400  # refused by the core
     after = scrape((await http("GET", f"{base}/metrics"))[1])
 

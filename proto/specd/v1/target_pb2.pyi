@@ -9,37 +9,49 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyRequest(_message.Message):
-    __slots__ = ("cursor", "draft_tokens", "q", "sampling", "return_logprobs")
+    __slots__ = ("cursor", "draft_tokens", "q", "sampling", "return_logprobs", "top_logprobs")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cursor: _common_pb2.SessionCursor
     draft_tokens: _containers.RepeatedScalarFieldContainer[int]
     q: _containers.RepeatedCompositeFieldContainer[_draft_pb2.SparseDistribution]
     sampling: _common_pb2.SamplingParams
     return_logprobs: bool
-    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("cursor", "sampling", "return_logprobs")
+    __slots__ = ("cursor", "sampling", "return_logprobs", "top_logprobs", "prompt_logprobs")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     cursor: _common_pb2.SessionCursor
     sampling: _common_pb2.SamplingParams
     return_logprobs: bool
-    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ...) -> None: ...
+    top_logprobs: int
+    prompt_logprobs: bool
+    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("accepted", "emitted_tokens", "logprobs", "cached_tokens")
+    __slots__ = ("accepted", "emitted_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "cached_tokens")
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     EMITTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     accepted: int
     emitted_tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedScalarFieldContainer[float]
+    top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
+    prompt_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    prompt_top_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.TopLogprobs]
     cached_tokens: int
-    def __init__(self, accepted: _Optional[int] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, accepted: _Optional[int] = ..., emitted_tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[float]] = ..., prompt_top_logprobs: _Optional[_Iterable[_Union[_common_pb2.TopLogprobs, _Mapping]]] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
