@@ -74,10 +74,10 @@ def library_path(binary_dir: Path, scratch: Path) -> str:
 
 
 class LlamaServer:
-    def __init__(self, binary: str, threads: int, name: str, log_dir: Path):
+    def __init__(self, binary: str, threads: int, name: str, log_dir: Path, slots: int = 1):
         self.port = free_port()
         command = [binary, "-m", str(gguf_path(find_spec("target"))), "--port", str(self.port), "-t", str(threads)]
-        command += ["-c", "4096", "-np", "1", "--no-webui", *LLAMA_SPECULATION[name]]
+        command += ["-c", str(4096 * slots), "-np", str(slots), "--no-webui", *LLAMA_SPECULATION[name]]
         if "-md" in command:
             command += ["-td", str(threads)]
         if ggml_has_amx():  # ggml's AMX matmul crashes it as it would specd's engine (model/llama_cpp_engine.py)
