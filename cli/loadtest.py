@@ -5,7 +5,8 @@ Targets: --server HOST:PORT is specd's gRPC API; --openai URL any OpenAI-compati
 Both flags repeat: several targets run interleaved (at each concurrency or rate every target in turn,
 in the order given), in one report and one plot. --model and --api-key go with --openai: once for
 every OpenAI target, or once per --openai in the same order (default: the first model the server's
-/v1/models lists; the key from $OPENAI_API_KEY). Only gRPC runs report α and K.
+/v1/models lists; the key from $OPENAI_API_KEY). Only gRPC runs report α and K. A target is
+named by its address in the report and the plot, or by NAME when given as NAME=HOST:PORT / NAME=URL.
 
 Requests ask for ignore_eos by default, so each yields exactly --max-new-tokens tokens and
 runs compare like for like; --respect-eos lets them stop at end-of-sequence instead.
@@ -20,12 +21,13 @@ per pass) and --plot draws them together. The report records the CPU it ran on.
 
   specd loadtest --server localhost:50051 --concurrency 1,2,4,8,16 --compare --repeats 3 \\
       --prompts bench/prose.jsonl --json compare.json --plot compare.png
-  specd loadtest --server localhost:50051 --openai http://localhost:8000 --openai http://gpu-box:8080 \\
-      --concurrency 1,4,16 --json side_by_side.json --plot side_by_side.png
+  specd loadtest --server specd=localhost:50051 --openai vllm=http://gpu-box:8000 \\
+      --openai llama=http://localhost:8080 --concurrency 1,4,16 --json side_by_side.json --plot side_by_side.png
 """
 
 import argparse
 import asyncio
+import re
 from pathlib import Path
 
 from rich.console import Console
@@ -46,16 +48,16 @@ def add_parser(verbs) -> None:
         action=_Target,
         dest="targets",
         const="grpc",
-        metavar="HOST:PORT",
-        help="a running orchestrator's gRPC API (repeatable)",
+        metavar="[NAME=]HOST:PORT",
+        help="a running orchestrator's gRPC API (repeatable; NAME labels it in the report)",
     )
     parser.add_argument(
         "--openai",
         action=_Target,
         dest="targets",
         const="openai",
-        metavar="URL",
-        help="an OpenAI-compatible server, e.g. http://127.0.0.1:8000 (/v1 optional; repeatable)",
+        metavar="[NAME=]URL",
+        help="an OpenAI-compatible server, e.g. llama=http://127.0.0.1:8080 (/v1 optional; repeatable)",
     )
     parser.add_argument(
         "--model",
@@ -182,7 +184,7 @@ def _settings(args, loadtest):
         prompts = loadtest.load_prompts(args.prompts or loadtest.DEFAULT_PROMPTS)
     except loadtest.PromptsError as error:
         raise UserError(str(error)) from error
-    servers = [value for kind, value in args.targets if kind == "grpc"]
+    servers = [_named(value)[1] for kind, value in args.targets if kind == "grpc"]
     return loadtest.Settings(
         server=servers[0] if servers else "",  # the report's `server`: the first gRPC target
         prompts=prompts,
@@ -220,22 +222,34 @@ def _check_targets(args, parser: argparse.ArgumentParser) -> None:
 def _targets(args, loadtest) -> list:
     """The targets in the order given (the openai package is imported only when one is an --openai)."""
     targets, index = [], 0
-    for kind, value in args.targets:
+    for kind, given in args.targets:
+        name, value = _named(given)
         if kind == "grpc":
             targets.append(loadtest.GrpcTarget(value))
-            continue
-        from specd.bench.openai_client import OpenAiTarget, TargetError
+        else:
+            from specd.bench.openai_client import OpenAiTarget, TargetError
 
-        model, key = (_nth(values, index) for values in (args.model, args.api_key))
-        index += 1
-        try:
-            targets.append(OpenAiTarget(value, model, key))
-        except TargetError as error:
-            raise UserError(f"--openai {value}: {error}") from None
+            model, key = (_nth(values, index) for values in (args.model, args.api_key))
+            index += 1
+            try:
+                targets.append(OpenAiTarget(value, model, key))
+            except TargetError as error:
+                raise UserError(f"--openai {value}: {error}") from None
+        targets[-1].name = name or targets[-1].name
     names = [target.name for target in targets]
     if len(set(names)) < len(names):
         raise UserError(f"a target is given twice: {', '.join(sorted({n for n in names if names.count(n) > 1}))}")
     return targets
+
+
+_NAME = re.compile(r"([A-Za-z][\w.-]*)=(.+)")
+
+
+def _named(value: str) -> tuple[str | None, str]:
+    """NAME=ADDRESS -> (NAME, ADDRESS); a bare address -> (None, address). A URL's own `=` (a query) is not a name:
+    a name has no `:` or `/`, so `http://h/v1?x=1` and `h:50051` stay whole."""
+    match = _NAME.fullmatch(value)
+    return (match[1], match[2]) if match else (None, value)
 
 
 def _target_errors(targets: list) -> tuple:

@@ -49,10 +49,10 @@ async def main(args) -> int:
         await stack.start()
         for server in servers.values():
             server.wait()
-        command = [sys.executable, "-m", "specd.cli", "loadtest", "--server", stack.address]
-        command += ["--openai", stack.http_url]
-        for server in servers.values():
-            command += ["--openai", f"http://127.0.0.1:{server.port}"]
+        command = [sys.executable, "-m", "specd.cli", "loadtest", "--server", f"specd_grpc={stack.address}"]
+        command += ["--openai", f"specd_http={stack.http_url}"]
+        for name, server in servers.items():
+            command += ["--openai", f"{name}=http://127.0.0.1:{server.port}"]
         command += ["--concurrency", args.concurrency, "--requests", str(args.requests)]
         command += ["--max-new-tokens", str(args.max_new_tokens), "--json", args.json, "--plot", args.plot]
         print(" ".join(command), flush=True)

@@ -525,6 +525,29 @@ async def test_command_line_runs_the_targets_in_the_order_given(tiny_stack, tiny
     assert (tmp_path / "out.png").read_bytes().startswith(PNG_SIGNATURE)
 
 
+async def test_command_line_names_the_targets_it_is_given_names_for(tiny_stack, tiny_http, tmp_path):
+    url, model = tiny_http
+    grpc_address = f"127.0.0.1:{tiny_stack.orchestrator.port}"
+    argv = ["loadtest", "--server", f"specd-grpc={grpc_address}", "--openai", f"specd.http={url}/v1",
+            "--model", model, "--concurrency", "1", "--requests", "1", "--max-new-tokens", "3", "--warmup", "0",
+            "--json", str(tmp_path / "named.json")]  # fmt: skip
+    assert await asyncio.to_thread(cli, argv) == 0
+    report = json.loads((tmp_path / "named.json").read_text())
+    assert [run["target"] for run in report["runs"]] == ["specd-grpc", "specd.http"]
+    assert report["settings"]["server"] == grpc_address
+    assert [target["name"] for target in report["settings"]["targets"]] == ["specd-grpc", "specd.http"]
+    assert list(loadtest_report.targets(report["runs"])) == ["specd-grpc", "specd.http"]
+
+
+def test_a_target_name_is_only_a_plain_word_before_the_address():
+    from specd.cli.loadtest import _named
+
+    assert _named("llama=http://127.0.0.1:8080") == ("llama", "http://127.0.0.1:8080")
+    assert _named("a.b-c_1=h:1") == ("a.b-c_1", "h:1")
+    assert _named("h:50051") == (None, "h:50051")
+    assert _named("http://h/v1?x=1") == (None, "http://h/v1?x=1")
+
+
 async def test_command_line_says_why_an_openai_target_cannot_be_used():
     from specd.cli.common import UserError
 
