@@ -538,6 +538,17 @@ def _ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator is not None and denominator else None
 
 
+def cpu_tag() -> str:
+    """This CPU's widest vector extension, for a results file's name: avx512_bf16, avx512 or avx2."""
+    flags = set()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return "avx512_bf16" if "avx512_bf16" in flags else "avx512" if "avx512f" in flags else "avx2"
+
+
 def machine_info() -> dict:
     """The CPU this load test runs on (figures on this project are always stated with the CPU):
     its model name and whether it has avx512_bf16 (None: unknown, no /proc/cpuinfo)."""

@@ -112,8 +112,9 @@ def add_drafter_flag(parser: argparse.ArgumentParser, note: str = "", server_def
         "--drafter",
         choices=DRAFTERS,
         default=None if server_default else DEFAULT_DRAFTER,
-        help=f"{note}who guesses: hybrid ({default}; each step the prompt lookup or the draft model, whichever "
-        "promises more), model (the draft service only), ngram (prompt lookup only)",
+        help=f"{note}who guesses: hybrid ({default}; each step the suffix drafter or the draft model, whichever "
+        "promises more), model (the draft service only), ngram (prompt lookup only), suffix (the suffix "
+        "drafter only: continuations ranked by frequency in the request and the worker's recent outputs)",
     )
 
 

@@ -22,6 +22,8 @@ from specd.proto import tracing
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
 from specd.proto.limits import AUTO_CACHED_TOKENS, MAX_Q_BYTES, Limits
 
+DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds (serving/server.py and orchestrator/drain.py hold the same default)
+
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics
 DEFAULT_HTTP_PORT = 8000  # the orchestrator's OpenAI-compatible API
@@ -46,6 +48,7 @@ def add_parser(verbs) -> None:
         _add_limit_flags(parser, role)
         add_server_flags(parser)
         add_tracing_flag(parser)
+        add_drain_flag(parser, "the requests in flight keep their sessions served; new sessions are refused")
         parser.set_defaults(run=run_model_service)
     parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
     parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="the draft service")
@@ -68,6 +71,7 @@ def add_parser(verbs) -> None:
         help=f"the largest K auto may choose (default {DEFAULT_MAX_DRAFT_TOKENS})",
     )
     add_drafter_flag(parser, "when a request does not say: ")
+    add_draft_ahead_flag(parser)
     _add_address_flags(parser, "orchestrator")
     parser.add_argument(
         "--http-port",
@@ -80,6 +84,7 @@ def add_parser(verbs) -> None:
     add_server_flags(parser)
     add_client_flags(parser, "the services (the orchestrator sends its own --token to them)", token=False)
     add_tracing_flag(parser)
+    add_drain_flag(parser, "new requests are refused UNAVAILABLE, HTTP 503; what still runs then ends UNAVAILABLE")
     parser.set_defaults(run=run_orchestrator)
 
 
@@ -108,6 +113,28 @@ def add_tracing_flag(parser) -> None:
         help="send OpenTelemetry traces over OTLP/gRPC to this collector, e.g. http://localhost:4317 "
         "(https:// for TLS; default: no tracing)",
     )
+
+
+def add_drain_flag(parser, what: str) -> None:
+    parser.add_argument(
+        "--drain-seconds",
+        type=_drain_seconds_flag,
+        default=DEFAULT_DRAIN_SECONDS,
+        metavar="S",
+        help=f"on SIGTERM or Ctrl-C, health turns NOT_SERVING and the requests in flight get this long to finish "
+        f"before the server exits ({what}; default {DEFAULT_DRAIN_SECONDS:g}, 0: exit at once; a second signal "
+        f"cuts the drain short)",
+    )
+
+
+def _drain_seconds_flag(value: str) -> float:
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not 0 <= seconds < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds >= 0, got {value}")
+    return seconds
 
 
 def _add_limit_flags(parser, role: str) -> None:
@@ -212,6 +239,20 @@ def _add_orchestrator_limit_flags(parser) -> None:
     )
 
 
+def add_draft_ahead_flag(parser) -> None:
+    """--draft-ahead: the orchestrator's default for requests that leave GenerateRequest.draft_ahead empty."""
+    from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DRAFT_AHEAD_MODES
+
+    parser.add_argument(
+        "--draft-ahead",
+        choices=DRAFT_AHEAD_MODES,
+        default=DEFAULT_DRAFT_AHEAD,
+        help="while the target verifies a step, the draft already guesses the next one, used when the whole "
+        f"step is accepted (default {DEFAULT_DRAFT_AHEAD}: where the measured costs say it pays; a draft and a "
+        f"target both on the CPU at loopback addresses, as `specd up` runs them, are taken to share cores)",
+    )
+
+
 def _security(args, client: bool = False):
     try:
         return client_security_from_args(args) if client else server_security_from_args(args)
@@ -278,6 +319,7 @@ def run_model_service(args: argparse.Namespace) -> int:
             security=_security(args),
             metrics_host=args.host,
             metrics_port=None if args.no_metrics else args.metrics_port,
+            drain_seconds=args.drain_seconds,
         )
     )
     return 0
@@ -292,6 +334,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
         propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout, target_retry_s=args.target_retry
     )
     security, service_security = _security(args), _security(args, client=True)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # drain lines
     tracing.setup(args.otlp_endpoint, "specd-orchestrator")  # this process; the Ray workers set up their own
     start_ray(args.ray_address)
     server = OrchestratorServer(
@@ -301,6 +344,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
         default_draft_tokens=args.draft_tokens,
         max_draft_tokens=args.max_draft_tokens,
         drafter=args.drafter,
+        draft_ahead=args.draft_ahead,
         policy=policy,
         security=security,
         service_security=service_security,
@@ -315,6 +359,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
                 f"{args.host}:{args.port}",
                 http_port=None if args.no_http else args.http_port,
                 metrics_port=None if args.no_metrics else args.metrics_port,
+                drain_seconds=args.drain_seconds,
             )
         )
     finally:

@@ -3,6 +3,7 @@
 import argparse
 import asyncio
 import signal
+from pathlib import Path
 
 from specd.cli.common import (
     STACK_DEVICE_FLAGS,
@@ -13,7 +14,18 @@ from specd.cli.common import (
     add_stack_device_flags,
     check_stack_devices,
 )
-from specd.cli.serve import DEFAULT_HTTP_PORT, DEFAULT_METRICS_PORTS, DEFAULT_PORTS, add_tracing_flag
+from specd.cli.serve import (
+    DEFAULT_HTTP_PORT,
+    DEFAULT_METRICS_PORTS,
+    DEFAULT_PORTS,
+    _add_limit_flags,
+    _add_orchestrator_limit_flags,
+    add_draft_ahead_flag,
+    add_drain_flag,
+    add_tracing_flag,
+    limits_from_args,
+)
+from specd.proto.auth import ClientSecurity, add_client_flags, add_server_flags, server_security_from_args
 
 
 def add_parser(verbs) -> None:
@@ -48,6 +60,7 @@ def add_parser(verbs) -> None:
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (per orchestrator replica)")
     add_drafter_flag(parser, "the orchestrator's default, ")
+    add_draft_ahead_flag(parser)
     cluster = parser.add_argument_group("with --ray-address")
     cluster.add_argument(
         "--replicas", type=int, default=1, help="orchestrator replicas (replica i adds i to each port)"
@@ -100,8 +113,24 @@ def add_parser(verbs) -> None:
     add_stack_device_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
-    add_tracing_flag(parser)  # passed to all three processes
+    add_tracing_flag(parser)  # passed to all three processes (every actor, on a cluster)
+    add_drain_flag(parser, "passed to all three processes of a stack on this machine")
+    add_cluster_security_and_limit_flags(parser)
     parser.set_defaults(run=run)
+
+
+def add_cluster_security_and_limit_flags(parser: argparse.ArgumentParser) -> None:
+    """`specd serve`'s token, TLS, limit and fault-policy flags, for every actor of a cluster; their
+    names are kept (`cluster_only`) to refuse them on a stack here, which does not pass them on yet."""
+    group = parser.add_argument_group(
+        "security and limits, with --ray-address (as `specd serve` takes them; the token, the certificate "
+        "and the key reach every actor as constructor arguments, never on a command line)"
+    )
+    add_server_flags(group)
+    add_client_flags(group, "the servers (default: --tls-cert, a self-signed certificate is its own CA)", token=False)
+    _add_limit_flags(group, "draft")  # --max-q-bytes is the draft's; the others both services'
+    _add_orchestrator_limit_flags(group)
+    parser.set_defaults(cluster_only={action.option_strings[0]: action for action in group._group_actions})
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,11 +139,14 @@ def run(args: argparse.Namespace) -> int:
     for flag in ("--threads", "--draft-threads", "--target-threads"):
         if (value := getattr(args, flag[2:].replace("-", "_"))) is not None and value < 1:
             raise UserError(f"{flag} must be >= 1")
-    if args.ray_address and args.otlp_endpoint:
+    given = [flag for flag, action in args.cluster_only.items() if getattr(args, action.dest) != action.default]
+    if given and not args.ray_address:
         raise UserError(
-            "--otlp-endpoint is not passed on to a cluster's actors yet: use it with a stack on this machine, "
-            "or with each `specd serve`"
+            f"{', '.join(given)}: a stack on this machine does not pass these on yet; they are for --ray-address "
+            "(or start each component with `specd serve` and its flags)"
         )
+    if args.ray_address and args.draft_ahead != "auto":
+        raise UserError("--draft-ahead is for a stack on this machine; on a cluster a request sets draft_ahead")
     if args.ray_address and (args.draft_threads or args.target_threads):
         raise UserError(
             "--draft-threads and --target-threads are for a stack on this machine; on a cluster use --threads"
@@ -128,7 +160,10 @@ def run(args: argparse.Namespace) -> int:
 
 def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     from specd.deploy.cluster import ClusterConfig, ClusterStack
+    from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+    from specd.orchestrator.faults import FaultPolicy
 
+    security, service_security = cluster_security(args)
     stack = ClusterStack(
         ClusterConfig(
             ray_address=args.ray_address,
@@ -158,13 +193,27 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_address=args.target_address,
             health_period_s=args.health_period,
             restart_after_s=args.restart_after,
+            limits=limits_from_args(args),
+            security=security,
+            service_security=service_security,
+            policy=FaultPolicy(
+                propose_timeout_s=args.propose_timeout,
+                call_timeout_s=args.call_timeout,
+                target_retry_s=args.target_retry,
+            ),
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_prompt_tokens=args.max_prompt_tokens,
+            # --max-draft-tokens is the largest K the services accept; auto chooses within it and its own bound
+            max_draft_tokens=min(args.max_draft_tokens, DEFAULT_MAX_DRAFT_TOKENS),
+            drafter=args.drafter,
+            otlp_endpoint=args.otlp_endpoint,
         )
     )
     try:
         asyncio.run(stack.start())
         for deployed in stack.deployed:
             print(f"{deployed.name:<15} {deployed.address:<21} pid {deployed.pid}", flush=True)
-        print_devices(stack.address)
+        print_devices(stack.address, service_security)
         print(
             f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops the stack)", flush=True
         )
@@ -174,6 +223,22 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     finally:
         stack.stop()
     return 0
+
+
+def cluster_security(args: argparse.Namespace) -> tuple:
+    """(ServerSecurity, ClientSecurity) of a cluster's servers from --token (or SPECD_TOKEN), --tls-cert,
+    --tls-key and --tls-ca: the files read here, so the actors get PEM bytes and their nodes need no files.
+    One certificate for every server; without --tls-ca the clients trust --tls-cert itself."""
+    if args.tls_ca and not args.tls_cert:
+        raise UserError("--tls-ca needs --tls-cert and --tls-key: the servers of a cluster serve TLS or none")
+    try:
+        security = server_security_from_args(args)
+        ca = Path(args.tls_ca).read_bytes() if args.tls_ca else security.tls_cert
+    except ValueError as error:
+        raise UserError(str(error)) from error
+    except OSError as error:
+        raise UserError(f"cannot read {args.tls_ca}: {error.strerror}") from error
+    return security, ClientSecurity(security.token, ca)
 
 
 def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
@@ -205,7 +270,9 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_engine=args.draft_engine,
             target_engine=args.engine,
             drafter=args.drafter,
+            draft_ahead=args.draft_ahead,
             otlp_endpoint=args.otlp_endpoint,
+            drain_seconds=args.drain_seconds,
         )
     )
     try:
@@ -217,7 +284,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
         print(f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops all three)")
         asyncio.run(_forever())
     except KeyboardInterrupt:
-        print("stopping")
+        print(f"stopping: requests in flight get up to {args.drain_seconds:g} s to finish (Ctrl-C again: at once)")
     finally:
         stack.stop()
     return 0
@@ -252,11 +319,11 @@ async def _forever() -> None:
     await asyncio.Event().wait()
 
 
-def print_devices(address: str) -> None:
+def print_devices(address: str, security: ClientSecurity = ClientSecurity()) -> None:
     """One line per model service: its device, the device's name, dtype and memory (the orchestrator's
     Info relays each service's ModelInfo as it answers now)."""
     try:
-        infos = asyncio.run(_service_infos(address))
+        infos = asyncio.run(_service_infos(address, security))
     except Exception as error:  # the stack runs regardless: this is only a report
         print(f"(could not read the services' devices: {error})", flush=True)
         return
@@ -264,11 +331,11 @@ def print_devices(address: str) -> None:
         print(describe_device(info), flush=True)
 
 
-async def _service_infos(address: str) -> list:
+async def _service_infos(address: str, security: ClientSecurity) -> list:
     from specd.proto.client import channel
     from specd.v1 import common_pb2, specdecode_pb2_grpc
 
-    async with channel(address) as open_channel:
+    async with channel(address, security) as open_channel:
         info = await specdecode_pb2_grpc.SpecDecodeStub(open_channel).Info(common_pb2.InfoRequest(), timeout=10)
     return [info.draft, info.target]
 

@@ -10,6 +10,12 @@
 3. Watch: Ray restarts an actor whose process dies (max_restarts=-1); the deployer also
    health-checks every server and kills an actor silent for `restart_after_s`, so Ray restarts it.
 The actors belong to the deploying process: stopping it (Ctrl-C) stops the stack.
+
+Every actor gets what `specd serve` gets from its flags, as its constructor's arguments: its limits,
+the orchestrator's fault policy, the OTLP endpoint (each actor sets up tracing in its own process),
+and the token and TLS certificate, key and CA as PEM bytes the deployer read. Arguments, not a
+command line or a runtime env (which `ray list actors --detail` shows): the token never appears in
+`ps`, and a node needs no certificate files; Ray keeps the arguments to restart the actor with them.
 """
 
 import asyncio
@@ -22,7 +28,11 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+from specd.orchestrator.faults import FaultPolicy
+from specd.orchestrator.lookup import DEFAULT_DRAFTER
 from specd.orchestrator.remote import wait_until_serving
+from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 
 
@@ -47,6 +57,17 @@ class ClusterConfig:
     target_gpus: float = 0
     # max_cached_tokens 0: each service derives it from its device (as `specd serve` does by default)
     limits: Limits = field(default_factory=lambda: Limits(max_cached_tokens=AUTO_CACHED_TOKENS))
+    # Every server's token and TLS (PEM bytes), and what the orchestrator and the deployer use towards
+    # them: the same token, the CA. Default: open, plaintext.
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    service_security: ClientSecurity = field(default_factory=ClientSecurity)
+    # The orchestrator's own flags (`specd serve orchestrator`): fault policy, admission, K, drafter.
+    policy: FaultPolicy = field(default_factory=FaultPolicy)
+    max_concurrent_requests: int | None = None  # None: no limit
+    max_prompt_tokens: int | None = None  # None: what a session holds
+    max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest K auto chooses
+    drafter: str = DEFAULT_DRAFTER
+    otlp_endpoint: str | None = None  # the OpenTelemetry collector every actor sends its spans to; None: off
     draft_port: int = 50061
     target_port: int = 50062
     port: int = 50051  # the orchestrator's gRPC port (replica i listens on port + i)
@@ -103,8 +124,14 @@ class ModelServiceActor:
         device: str = "auto",
         cuda_graphs: str = "auto",
         engine: str = "auto",
+        security: ServerSecurity = ServerSecurity(),
+        otlp_endpoint: str | None = None,
     ):
+        from specd.proto import tracing
+
+        tracing.setup(otlp_endpoint, f"specd-{role}")  # before the server exists: its calls get spans
         self.port = port
+        self.security = security
         service_options = dict(device=device, cuda_graphs=cuda_graphs, engine=engine)
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
@@ -118,7 +145,7 @@ class ModelServiceActor:
         # `device` (and with it the engine `auto` picks) resolves here, in the actor: with num_gpus,
         # Ray has set CUDA_VISIBLE_DEVICES to the GPU(s) it assigned, so auto and cuda mean cuda:0 of those
         self.server = model_server(role, model, dtype, threads, quantize, limits, **service_options)
-        if not await self.server.start(f"0.0.0.0:{self.port}"):
+        if not await self.server.start(f"0.0.0.0:{self.port}", self.security):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
             start_exporter(self.server.metrics.registry, "0.0.0.0", metrics_port)
@@ -150,12 +177,15 @@ class OrchestratorActor:
         port: int,
         http_port: int | None,
         metrics_port: int | None,
-        workers: int,
+        options: dict,
     ):
+        """`options`: OrchestratorServer's keyword arguments (workers, security, policy, limits, ...)."""
         from specd.orchestrator.server import OrchestratorServer
+        from specd.proto import tracing
 
+        tracing.setup(options.get("otlp_endpoint"), "specd-orchestrator")  # its Ray workers set up their own
         self.port = port
-        self.server = OrchestratorServer(draft_address, target_address, workers=workers)
+        self.server = OrchestratorServer(draft_address, target_address, **options)
         self.serving = asyncio.get_running_loop().create_task(self._serve(http_port, metrics_port))
 
     async def _serve(self, http_port, metrics_port) -> None:
@@ -222,6 +252,8 @@ class ClusterStack:
             device,
             graphs,
             engine,
+            config.security,
+            config.otlp_endpoint,
         )
         deployed = await self._locate(Deployed(role, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
@@ -240,7 +272,7 @@ class ClusterStack:
             config.port + index,
             _plus(config.http_port, index),
             _plus(config.metrics_port, index),
-            config.workers,
+            orchestrator_options(config),
         )
         deployed = await self._locate(Deployed(f"orchestrator-{index}", actor))
         await self._until_serving(deployed, timeout_s=300)
@@ -251,7 +283,7 @@ class ClusterStack:
         return deployed
 
     async def _until_serving(self, deployed: Deployed, timeout_s: float) -> None:
-        waiting = asyncio.create_task(wait_until_serving(deployed.address, timeout_s))
+        waiting = asyncio.create_task(wait_until_serving(deployed.address, timeout_s, self.config.service_security))
         while not waiting.done():
             if deployed.name in ("draft", "target") and (why := await deployed.actor.failure.remote()):
                 waiting.cancel()
@@ -267,7 +299,7 @@ class ClusterStack:
 
     async def _check(self, deployed: Deployed) -> None:
         now = time.monotonic()
-        if await _answers_health(deployed.address, timeout_s=self.config.health_period_s):
+        if await _answers_health(deployed.address, self.config.health_period_s, self.config.service_security):
             deployed.silent_since = None
         elif deployed.silent_since is None:
             deployed.silent_since = now
@@ -287,13 +319,30 @@ class ClusterStack:
             ray.shutdown()
 
 
+def orchestrator_options(config: ClusterConfig) -> dict:
+    """OrchestratorServer's keyword arguments for a replica: what `specd serve orchestrator` takes as flags."""
+    return dict(
+        workers=config.workers,
+        default_draft_tokens=None,  # auto
+        max_draft_tokens=config.max_draft_tokens,
+        drafter=config.drafter,
+        policy=config.policy,
+        security=config.security,
+        service_security=config.service_security,
+        max_concurrent_requests=config.max_concurrent_requests,
+        max_prompt_tokens=config.max_prompt_tokens,
+        otlp_endpoint=config.otlp_endpoint,
+    )
+
+
 def _plus(port: int | None, index: int) -> int | None:
     return None if port is None else port + index
 
 
-async def _answers_health(address: str, timeout_s: float) -> bool:
-    """Whether grpc.health.v1 answers at all (NOT_SERVING while a model loads is an answer)."""
-    async with grpc.aio.insecure_channel(address) as channel:
+async def _answers_health(address: str, timeout_s: float, security: ClientSecurity = ClientSecurity()) -> bool:
+    """Whether grpc.health.v1 answers at all (NOT_SERVING while a model loads is an answer); health needs
+    no token, but over TLS it needs the CA."""
+    async with security.channel(address) as channel:
         try:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s)
             return True

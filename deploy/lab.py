@@ -11,6 +11,13 @@ node on this machine's address offering all three resources (traffic stays on lo
 2. delay proxies on the router (the bridge's address, or 127.0.0.1) in front of the draft and
    target gRPC ports, adding `rtt_ms` to every round trip the orchestrator makes to them;
 3. `specd up --ray-address` on the orchestrator host, told to dial the services via the proxies.
+
+Cores (namespaced only): `LabConfig.cpus` pins each host to CPUs of its own (`taskset` on everything
+started in it: its Ray node, and so the actors Ray forks there), so that draft and target do not
+slow each other down, as on separate machines (`split_cores`). What stays shared is what one
+machine cannot split: the last-level cache, memory bandwidth and the kernel's network stack (the
+veths and the bridge cost microseconds; the delay proxies add the RTT), so a memory-bound pair
+still slows each other a little where two machines would not.
 """
 
 import asyncio
@@ -41,12 +48,26 @@ class Host:
     name: str  # its role
     ip: str
     init_pid: int | None = None  # the namespaced host's init process; None = this machine itself
+    cpus: str | None = None  # the CPUs (taskset list, e.g. "0-3") everything on it runs on; None: all
 
     def command(self, argv: list[str]) -> list[str]:
-        """argv as run on this host."""
+        """argv as run on this host (on its CPUs: affinity passes to every process it starts)."""
+        pinned = ["taskset", "-c", self.cpus, *argv] if self.cpus else list(argv)
         if self.init_pid is None:
-            return list(argv)
-        return ["nsenter", "-t", str(self.init_pid), "-n", "-m", "-p", "--", *argv]
+            return pinned
+        return ["nsenter", "-t", str(self.init_pid), "-n", "-m", "-p", "--", *pinned]
+
+
+def split_cores(cpus: list[int] | None = None) -> dict[str, str]:
+    """Each host's CPUs: the target the first half (rounded up), the draft the rest, the orchestrator
+    with the draft (it waits on both, and computes little); taskset lists, as LabConfig.cpus takes them.
+    One CPU cannot be split: then everything shares it."""
+    cpus = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return {}
+    half = (len(cpus) + 1) // 2
+    target, draft = ",".join(map(str, cpus[:half])), ",".join(map(str, cpus[half:]))
+    return {"target": target, "draft": draft, "orchestrator": draft}
 
 
 def namespaces_refused() -> str | None:
@@ -75,13 +96,13 @@ class NamespacedNetwork:
         self.inits: list[subprocess.Popen] = []
         self.netns: list[str] = []
 
-    def create(self, names) -> dict[str, Host]:
+    def create(self, names, cpus: dict[str, str] | None = None) -> dict[str, Host]:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.router_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
-        return {name: self._host(index, name) for index, name in enumerate(names)}
+        return {name: self._host(index, name, (cpus or {}).get(name)) for index, name in enumerate(names)}
 
-    def _host(self, index: int, name: str) -> Host:
+    def _host(self, index: int, name: str, cpus: str | None = None) -> Host:
         init = subprocess.Popen(
             [
                 "unshare",
@@ -113,7 +134,7 @@ class NamespacedNetwork:
             ("route", "add", "default", "via", self.router_ip),
         ):
             _ip("-n", netns, *args)
-        return Host(name, ip, pid)
+        return Host(name, ip, pid, cpus)
 
     def destroy(self) -> None:
         """SIGKILL each host's init (the kernel then ends every process in it), then the names and the bridge."""
@@ -167,10 +188,13 @@ class LabConfig:
     rtt_ms: float = 0.0  # added to every orchestrator -> draft/target round trip
     namespaces: bool = True  # False: the loopback variant
     up_flags: list[str] = field(default_factory=list)  # more `specd up` flags
+    cpus: dict[str, str] = field(default_factory=dict)  # role -> its host's CPUs (split_cores); namespaced only
 
 
 class Lab:
     def __init__(self, config: LabConfig, say=lambda message: print(message, file=sys.stderr, flush=True)):
+        if config.cpus and not config.namespaces:
+            raise ValueError("per-host CPUs need the namespaced lab: the loopback lab's hosts are one Ray node")
         self.config = config
         self.say = say
         self.workdir = Path(tempfile.mkdtemp(prefix="specd-lab-"))
@@ -204,7 +228,7 @@ class Lab:
     async def start(self) -> None:
         started = time.monotonic()
         if self.network:
-            self.hosts = self.network.create(ROLES)
+            self.hosts = self.network.create(ROLES, self.config.cpus)
         else:  # Ray resolves 127.0.0.1 to this machine's address, so use that one from the start
             import ray
 
@@ -219,7 +243,9 @@ class Lab:
         self.head_address = head_address
         self.say(
             f"lab: {len(self.ray_nodes)} Ray node(s) up in {time.monotonic() - started:.0f} s; "
-            + ", ".join(f"{host.name} {host.ip}" for host in self.hosts.values())
+            + ", ".join(
+                f"{host.name} {host.ip}" + (f" cpus {host.cpus}" if host.cpus else "") for host in self.hosts.values()
+            )
         )
 
     async def _ray_start(self, host: Host, role_flags: list[str]) -> None:

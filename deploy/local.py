@@ -20,6 +20,8 @@ from pathlib import Path
 
 from specd.orchestrator.remote import wait_until_serving
 
+DEFAULT_DRAIN_SECONDS = 30.0  # `specd serve --drain-seconds`' default
+
 
 @dataclass
 class StackConfig:
@@ -48,7 +50,9 @@ class StackConfig:
     target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid)
+    draft_ahead: str | None = None  # the orchestrator's --draft-ahead; None: its own (auto)
     otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
+    drain_seconds: float | None = None  # --drain-seconds of all three processes; None: their default (30)
     extra_service_flags: list[str] = field(default_factory=list)
     # Environment of the two model services, where this process's own does not set the variable
     # (`specd up` puts SHARED_CORES_ENV here).
@@ -103,6 +107,7 @@ class LocalStack:
                     cuda_graphs=config.draft_cuda_graphs,
                     engine=config.draft_engine,
                     otlp_endpoint=config.otlp_endpoint,
+                    drain_seconds=config.drain_seconds,
                 ),
                 *config.extra_service_flags,
             ],
@@ -124,6 +129,7 @@ class LocalStack:
                     cuda_graphs=config.target_cuda_graphs,
                     engine=config.target_engine,
                     otlp_endpoint=config.otlp_endpoint,
+                    drain_seconds=config.drain_seconds,
                 ),
                 *config.extra_service_flags,
             ],
@@ -153,7 +159,9 @@ class LocalStack:
                     ray_address=config.ray_address,
                     draft_tokens=config.draft_tokens,
                     drafter=config.drafter,
+                    draft_ahead=config.draft_ahead,
                     otlp_endpoint=config.otlp_endpoint,
+                    drain_seconds=config.drain_seconds,
                 ),
             ],
         )
@@ -201,18 +209,31 @@ class LocalStack:
             await asyncio.sleep(0.25)
         await waiting
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        for child in reversed(self.children):
-            if child.process.poll() is None:
-                os.killpg(child.process.pid, signal.SIGTERM)
+    def stop(self, timeout_s: float | None = None) -> None:
+        """SIGTERM to all three: each drains (the requests in flight get --drain-seconds to finish)
+        and exits; SIGKILL for any still running after `timeout_s` (default: the drain + 10 s). A
+        Ctrl-C while they drain passes a second SIGTERM on, which cuts their drains short."""
+        if timeout_s is None:
+            timeout_s = (DEFAULT_DRAIN_SECONDS if self.config.drain_seconds is None else self.config.drain_seconds) + 10
+        self._signal(signal.SIGTERM)
         deadline = time.monotonic() + timeout_s
         for child in self.children:
-            try:
-                child.process.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(child.process.pid, signal.SIGKILL)
-                child.process.wait()
+            while True:
+                try:
+                    child.process.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                    child.process.wait()
+                except KeyboardInterrupt:
+                    self._signal(signal.SIGTERM)
+                    continue
+                break
         self.children.clear()
+
+    def _signal(self, signum: int) -> None:
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                os.killpg(child.process.pid, signum)
 
 
 # ---------------------------------------------------------------- sharing the cores of one machine

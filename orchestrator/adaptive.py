@@ -56,6 +56,12 @@ pay for good (a CPU whose verify costs several decode steps), a stream of short 
 a few percent of the time, not a few times each: measured on an AVX2 CPU (2 cores, llama.cpp
 engines), per-request probes alone (3 per 64-token request, each first catching the draft up on its
 prompt) made speculation 19 % slower than off (scripts/bench_llama_cpp.py).
+
+Drafting ahead (ahead.py) is priced the same way, per step, by `draft_ahead_gain`: the Propose a step
+need not wait for, with probability α^K·β (all K accepted, and the draft's guess for the bonus
+position right), against the wait for a pre-draft that comes after the verdict and, where the two
+services share cores, the draft's work beside the verify. How much they share is measured, not
+assumed: a guess drafted beside a verify against the cheapest guess lately (`ahead_slowdown`).
 """
 
 from __future__ import annotations
@@ -78,6 +84,7 @@ PROBE_MAX_BEHIND = 64  # a probe that would first catch the draft up on more tok
 PROBE_BUDGET = 0.03  # the share of its target-only time a worker may spend on probes
 LOOKUP_ALPHA_PRIOR = 0.5  # prompt lookup before anything is measured: its guesses are often all or nothing
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
+AHEAD_MARGIN = 0.02  # draft ahead (auto) only where it promises to save this share of a synchronous step
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -88,6 +95,32 @@ def expected_tokens(alpha: float, k: int) -> float:
 def tokens_per_second(alpha: float, k: int, t_draft: float, t_verify: float, rtt: float) -> float:
     """Expected rate of a step with K guesses; rtt is the step's whole network time."""
     return expected_tokens(alpha, k) / (k * t_draft + t_verify + rtt)
+
+
+def draft_ahead_gain(
+    alpha: float,
+    bonus_match: float,
+    k: int,
+    k_next: int,
+    t_draft: float,
+    t_verify: float,
+    rtt_draft: float,
+    rtt_target: float,
+    shared: float = 0.0,
+) -> float:
+    """Expected seconds a step of K guesses saves by drafting step n+1's K' guesses ahead (ahead.py);
+    negative where it costs. The ahead call (K' + 1 draft tokens: its guess b for the bonus position
+    first) starts as the Verify is sent. With probability α^K all K are accepted and the step waits
+    for b if it is not back by the verdict (`late`); with probability α^K·β (β: b is the target's
+    own token) the next step needs no Propose and saves its K'·t_draft + RTT. `shared` in [0, 1]: how
+    much the draft's work beside the verify slows both (0: remote or separate cores; 1: the same
+    cores), paid every time, used or not: the (K' + 1)·t_draft it takes from the target's pass."""
+    contention = shared * (k_next + 1) * t_draft
+    verdict = t_verify + rtt_target + contention
+    ahead = (k_next + 1) * t_draft * (1 + shared) + rtt_draft
+    late = max(0.0, ahead - verdict)
+    all_accepted = alpha**k
+    return all_accepted * bonus_match * (k_next * t_draft + rtt_draft) - all_accepted * late - contention
 
 
 class Ewma:
@@ -155,6 +188,29 @@ class ServiceCosts:
     explorer: weakref.ref | None = None  # the request taking a fresh worker's first measurements under load
     probe_budget: float = 0.0  # seconds of probing the worker's target-only steps have paid for
     lookup_alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, LOOKUP_ALPHA_PRIOR))
+    bonus_match: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))  # β: b == bonus
+    ahead_slowdown: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT, 0.0))  # a guess beside a verify / floor - 1
+    shared_cores: bool = False  # told: draft and target compute on the same CPU cores (ahead.py share_cores)
+
+    def draft_ahead_pays(self, alpha: float, k: int, k_next: int) -> bool:
+        """Whether drafting K' = k_next guesses ahead of a step of K beats waiting for a Propose
+        (draft_ahead_gain, at the measured costs, β, and the draft's slowdown beside a verify as the
+        share of cores it competes for: all of them where the two are known to share cores). Unknown costs: no."""
+        t_draft, t_verify = self.draft_seconds(), self.verify_seconds(k)
+        if t_draft is None or t_verify is None:
+            return False
+        rtt_draft, rtt_target = self.rtt_draft.value or 0.0, self.rtt_target.value or 0.0
+        shared = 1.0 if self.shared_cores else min(1.0, max(0.0, self.ahead_slowdown.value or 0.0))
+        gain = draft_ahead_gain(
+            alpha, self.bonus_match.value, k, k_next, t_draft, t_verify, rtt_draft, rtt_target, shared
+        )
+        return gain > AHEAD_MARGIN * (k * t_draft + rtt_draft + t_verify + rtt_target)
+
+    def record_ahead(self, per_guess: float) -> None:
+        """A guess's time in a call drafted ahead, beside the target's verify: against the cheapest
+        guess lately (the draft alone), how much the two slow each other (0: separate cores)."""
+        if self.draft_floor:
+            self.ahead_slowdown.add(max(0.0, per_guess / self.draft_floor - 1))
 
     def spend_on_probe(self, behind: int, k: int, draft: bool = True) -> bool:
         """Whether the budget holds a probe of K after `behind` tokens of catch-up (draft: the draft

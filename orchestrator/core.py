@@ -11,17 +11,19 @@ greedy output over gRPC).
 import asyncio
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DRAFT_AHEAD_MODES
+from specd.orchestrator.drain import Drain
 from specd.orchestrator.generation import GenerationRequest, Stats
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
-from specd.orchestrator.worker import WorkerPool
+from specd.orchestrator.worker import Failed, WorkerPool
 from specd.proto.limits import penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 
@@ -36,7 +38,11 @@ STEP_FIELDS = ("step_draft_seconds", "step_verify_seconds")
 
 
 class BadRequest(Exception):
-    """INVALID_ARGUMENT (HTTP 400), with a message the client can act on."""
+    """INVALID_ARGUMENT (HTTP 400), with a message the client can act on and, where known, the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -48,6 +54,8 @@ class Core:
     max_prompt_tokens: int | None = None  # longest prompt accepted; None = what a session holds
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest adaptive K (and no more than the services take)
     drafter: str = DEFAULT_DRAFTER  # for a request that leaves it empty (lookup.py DRAFTERS)
+    draft_ahead: str = DEFAULT_DRAFT_AHEAD  # for a request that leaves it empty (ahead.py DRAFT_AHEAD_MODES)
+    drain: Drain = field(default_factory=Drain)  # the requests in flight; refuses new ones while draining (drain.py)
 
     def __post_init__(self):
         self.metrics = self.metrics or OrchestratorMetrics()
@@ -101,6 +109,7 @@ class Core:
             adaptive_draft_tokens=self.default_draft_tokens is None,
             max_draft_tokens=self.max_draft_tokens,
             drafter=self.drafter,
+            draft_ahead=self.draft_ahead,
         )
 
     # -- requests ------------------------------------------------------------------------------
@@ -108,14 +117,18 @@ class Core:
     def start(self, message: specdecode_pb2.GenerateRequest, api: str, time_remaining: float | None = None):
         """Check and tokenize `message`, then run it: Delta events, then Finished or Failed.
 
-        Raises BadRequest (counted as refused under `api`) before anything runs.
+        Raises BadRequest (counted as refused under `api`) before anything runs. While the server
+        drains, the events are one Failed(UNAVAILABLE).
         """
+        if refusal := self.drain.refusal():
+            self.metrics.rejected(api, "UNAVAILABLE")
+            return _refused(refusal)
         try:
             request = self.prepare(message, time_remaining)
         except BadRequest:
             self.metrics.rejected(api)
             raise
-        return self.metrics.track(api, self.pool.generate(request))
+        return self.metrics.track(api, self.drain.track(self.pool.generate(request)))
 
     def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
         """A request an API refused before it reached start() (it could not even be parsed)."""
@@ -145,14 +158,14 @@ class Core:
             )
         sampling = message.sampling
         if not sampling.temperature >= 0 or sampling.temperature == float("inf"):
-            raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}")
+            raise BadRequest(f"temperature must be a finite number >= 0, got {sampling.temperature}", "temperature")
         if not 0 <= sampling.top_p <= 1:
-            raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}")
+            raise BadRequest(f"top_p must be in (0, 1] (0 means 1), got {sampling.top_p}", "top_p")
         logit_bias = dict(sampling.logit_bias)
         penalties = (sampling.presence_penalty, sampling.frequency_penalty, sampling.repetition_penalty or 1.0)
         problem = penalty_problem(*penalties, logit_bias, vocab_size)
         if problem:
-            raise BadRequest(problem[1])
+            raise BadRequest(problem[1], param=problem[0])
         if message.top_logprobs > MAX_TOP_LOGPROBS:
             raise BadRequest(f"top_logprobs must be in 0..{MAX_TOP_LOGPROBS}, got {message.top_logprobs}")
         if message.prompt_logprobs and len(prompt_ids) > MAX_PROMPT_LOGPROBS_TOKENS:
@@ -168,7 +181,11 @@ class Core:
         drafter = message.drafter or self.drafter
         if drafter not in DRAFTERS:
             raise BadRequest(f"drafter {message.drafter!r} is not one of {', '.join(DRAFTERS)}")
+        draft_ahead = message.draft_ahead or self.draft_ahead
+        if draft_ahead not in DRAFT_AHEAD_MODES:
+            raise BadRequest(f"draft_ahead {message.draft_ahead!r} is not one of {', '.join(DRAFT_AHEAD_MODES)}")
         max_k, q_max_k = self.max_draft_tokens, self.q_max_k(sampling)
+        propose_limit = min(self.pair.draft_info.max_draft_tokens, q_max_k or self.pair.draft_info.max_draft_tokens)
         if q_max_k is not None:  # sampling with a large top_k (or none): a smaller K, never a refused Propose
             k, max_k = None if k is None else min(k, q_max_k), min(max_k, q_max_k)
         return GenerationRequest(
@@ -191,6 +208,8 @@ class Core:
             logprobs=message.logprobs,
             top_logprobs=message.top_logprobs if message.logprobs else 0,
             prompt_logprobs=message.logprobs and message.prompt_logprobs,
+            draft_ahead=draft_ahead,
+            max_propose_tokens=propose_limit,
         )
 
 
@@ -222,6 +241,11 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "lookup_steps": stats.lookup_steps,
         "lookup_drafted": stats.lookup_drafted,
         "lookup_accepted": stats.lookup_accepted,
+        "ahead_steps": stats.ahead_steps,
+        "ahead_ready": stats.ahead_ready,
+        "ahead_late": stats.ahead_late,
+        "ahead_wasted_tokens": stats.ahead_wasted_tokens,
+        "ahead_hidden_seconds": stats.ahead_hidden_seconds,
     }
     if steps:
         answer["step_draft_seconds"] = [draft for draft, _, _ in stats.step_seconds]
@@ -231,6 +255,10 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
 
 def stats_proto(stats: Stats) -> specdecode_pb2.SpeculationStats:
     return specdecode_pb2.SpeculationStats(**stats_dict(stats))
+
+
+async def _refused(message: str):
+    yield Failed("UNAVAILABLE", message)
 
 
 async def _live_info(stub, known: common_pb2.ModelInfo) -> common_pb2.ModelInfo:

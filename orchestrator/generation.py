@@ -14,6 +14,8 @@ Protocol (per request):
      cancel ends the request without a Finished (DEADLINE_EXCEEDED, or nobody left to read it).
      Both sessions are released whatever happened.
 Speculation off (K = 0, asked for or chosen) runs step 2 as a plain decode on the target alone.
+Draft-ahead (ahead.py) sits beside step 2: while the target verifies, the draft guesses the next step
+on the assumption that all is accepted; step 1 of the next step takes those guesses when it was.
 A draft that is down or slower than its deadline is skipped the same way, step by step (fail
 closed, faults.py); an unavailable target is retried, then the request ends UNAVAILABLE.
 """
@@ -28,9 +30,11 @@ from dataclasses import dataclass, field
 from tokenizers import Tokenizer
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS, AdaptiveK, ServiceCosts
+from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DraftAhead
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
-from specd.orchestrator.lookup import DEFAULT_DRAFTER, PromptLookup
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY, PromptLookup
 from specd.orchestrator.sessions import RemoteSession
+from specd.orchestrator.suffix import RecentOutputs, SuffixDrafter
 from specd.orchestrator.text import OutputText
 from specd.proto import tracing
 from specd.v1 import common_pb2, draft_pb2
@@ -55,13 +59,15 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     draft_tokens: int | None = None  # K; 0 = speculation off; None = chosen every step (adaptive.py)
     max_draft_tokens: int = 8  # the largest K an adaptive request may choose
-    drafter: str = DEFAULT_DRAFTER  # who guesses: "model", "ngram" (prompt lookup) or "hybrid" (each step, the better)
+    drafter: str = DEFAULT_DRAFTER  # who guesses: "model", "ngram" (prompt lookup), "suffix" or "hybrid" (lookup.py)
     ignore_eos: bool = False
     deadline: float | None = None  # time.time() by which the request must end
     session_id: str = ""  # the services' session id (the pool sets it, to release it if a worker dies)
     logprobs: bool = False  # return the target's log p of each output token (its raw logits, target.proto)
     top_logprobs: int = 0  # with logprobs: the N most likely tokens at each output position too
     prompt_logprobs: bool = False  # with logprobs: those of the prompt's tokens after its first too (first Delta)
+    draft_ahead: str = DEFAULT_DRAFT_AHEAD  # "on", "off" or "auto": draft the next step during the verify (ahead.py)
+    max_propose_tokens: int = 0  # the most guesses one Propose may ask for (the draft's limits); 0: the K bound
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -108,6 +114,11 @@ class Stats:
     time_to_first_token_s: float = 0.0
     completion_tokens: int = 0
     resyncs: int = 0
+    ahead_steps: int = 0  # steps that drafted the next step ahead during their verify (ahead.py)
+    ahead_ready: int = 0  # steps that took guesses drafted ahead (no Propose to wait for)
+    ahead_late: int = 0  # of those, the ones whose guesses came after the verdict (the step waited)
+    ahead_wasted_tokens: int = 0  # tokens drafted ahead and never verified (discarded, or the bonus guess)
+    ahead_hidden_seconds: float = 0.0  # draft time and round trip the used pre-drafts spent behind a verify
 
     def record_step(self, drafted: int, accepted: int, lookup: bool = False) -> None:
         self.steps += 1
@@ -167,6 +178,7 @@ class Generation:
         draft_gate: DraftGate | None = None,
         costs: ServiceCosts | None = None,
         trace_parent=None,
+        recent: RecentOutputs | None = None,
     ):
         self.request = request
         self.trace_parent = trace_parent  # the caller's trace context (tracing.parent); None: a trace of its own
@@ -196,10 +208,17 @@ class Generation:
             adaptive=adaptive,
             drafter=request.drafter,
         )
-        self.lookup = None if request.drafter == "model" else PromptLookup()  # the committed tokens' n-grams
+        # The guesses that cost no model: over the committed tokens (and the worker's recent outputs)
+        self.recent = recent  # shared by a worker's requests: this one's output joins it when it ends
+        self.lookup = None
+        if request.drafter == "ngram":
+            self.lookup = PromptLookup()
+        elif request.drafter != "model":  # suffix, and hybrid's lookup source (it measured the better)
+            self.lookup = SuffixDrafter(recent)
         if self.lookup:
             self.lookup.extend(self.committed)
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
+        self.ahead = DraftAhead(self, request.draft_ahead)  # the next step's guesses, drafted during a verify
 
     @property
     def speculating(self) -> bool:
@@ -239,6 +258,8 @@ class Generation:
                 yield self.delta(text, emitted, verdict)
             yield self.finished(reason, time.perf_counter() - started)
         finally:
+            if self.recent is not None:  # what the target committed, however the request ended
+                self.recent.add(self.committed[len(request.prompt_ids) :])
             with tracing.current(self.span):  # the Release calls belong to the request's trace
                 await asyncio.shield(self.release())
             self.span.end()
@@ -274,18 +295,27 @@ class Generation:
         """One step: propose -> verify -> commit. Returns the committed tokens, a finish reason (None: go on)
         and the target's reply (its log-probabilities)."""
         committed = self.committed
-        # 1. Propose: K guesses after the committed tokens, from the prompt lookup where the text
-        #    already holds a continuation worth more (no call), else from the draft. No guesses
+        # 1. Propose: K guesses after the committed tokens: those drafted ahead during the last verify
+        #    when they continue the committed tokens (ahead.py); else from the prompt lookup where the
+        #    text already holds a continuation worth more (no call), else from the draft. No guesses
         #    when K is 0 or the draft is down or slow: then the step runs target-only (fail closed).
+        pre_drafted = await self.ahead.take(committed)
         behind = self.draft.behind(committed)
-        k, looked_up = self.draft_length(behind)
-        proposal, draft_time = (self.looked_up(looked_up), NO_TIME) if looked_up else await self.propose(committed, k)
+        k, looked_up = (len(pre_drafted[0].draft_tokens), []) if pre_drafted else self.draft_length(behind)
+        if pre_drafted:
+            proposal, draft_time = pre_drafted
+        elif looked_up:
+            proposal, draft_time = self.looked_up(looked_up), NO_TIME
+        else:
+            proposal, draft_time = await self.propose(committed, k)
         guesses = [] if proposal is None else list(proposal.draft_tokens)
         # 2. Verify: the target scores the committed tail and the guesses in one pass, keeps the
         #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
         #    no guesses it decodes one token. Rejected guesses need no message: each service
         #    truncates to the agreed prefix on its next call (sessions.py).
         caught_up = self.target.behind(committed)  # > 0: this call also prefills (or resyncs) first
+        if guesses and not looked_up:  # beside the verify: the next step's guesses, if it pays (ahead.py)
+            self.ahead.start(committed, guesses, len(guesses))
         started = time.perf_counter()
         with tracing.span("verify" if guesses else "decode", k=len(guesses)):
             if guesses:
@@ -296,7 +326,8 @@ class Generation:
                 verdict, served = await self.target.decode(committed, self.sampling, **self.logprob_options())
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
         verify_time = (time.perf_counter() - started, served)
-        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, bool(looked_up), caught_up)
+        looked_up, pre_drafted = bool(looked_up), bool(pre_drafted)
+        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, looked_up, caught_up, pre_drafted)
         # 4. Commit what the target emitted, cut at EOS or the token budget.
         return *self.commit(list(verdict.emitted_tokens)), verdict
 
@@ -305,13 +336,13 @@ class Generation:
         fixed, or the chooser's (`behind`: tokens the draft would first catch up on); never more
         than the tokens left minus the target's own; 0 for the first step (the first token comes
         from the target alone). A fixed K takes the lookup's guesses when it has K of them (an
-        `ngram` request: whatever it has, up to K)."""
+        `ngram` or `suffix` request: whatever it has, up to K)."""
         request, left = self.request, self.request.max_new_tokens - self.generated
         if self.stats.steps == 0:
             return 0, []
         most = request.max_draft_tokens if self.chooser else request.draft_tokens
         found = self.lookup.propose(most) if self.lookup else []
-        model = request.drafter != "ngram"
+        model = request.drafter not in LOOKUP_ONLY
         if self.chooser:
             k = self.chooser.lookup_k(left, len(found), behind, model) if found else 0
             if k or not model:
@@ -348,6 +379,7 @@ class Generation:
             log.warning("draft failed, this step runs target-only: %s", failure)
             return None, NO_TIME
         self.draft_gate.succeeded()
+        self.ahead.propose_took(len(proposal.draft_tokens), time.perf_counter() - started)
         return proposal, (time.perf_counter() - started, served)
 
     def record(
@@ -359,12 +391,14 @@ class Generation:
         behind: int = 0,
         lookup: bool = False,
         target_behind: int = 0,
+        pre_drafted: bool = False,
     ) -> None:
         """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds
         or None); behind: the tokens the draft caught up on first; lookup: the prompt lookup guessed
         (no draft call: the draft falls behind by the step's tokens); target_behind: the tokens the
         target caught up on first (the prompt, on the first step): that call's time is a prefill's,
-        not a decode's or a verify's, and says nothing of t_verify(K)."""
+        not a decode's or a verify's, and says nothing of t_verify(K); pre_drafted: the guesses were
+        drafted ahead (ahead.py), so the step's draft time is a wait, not a Propose's."""
         self.stats.record_times(*draft, *verify)
         self.stats.record_step(k, accepted, lookup)
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
@@ -374,7 +408,7 @@ class Generation:
         if self.target.last_pass:
             longest = max(self.stats.draft_tokens, DEFAULT_MAX_DRAFT_TOKENS) + 1  # any verify's row
             self.costs.record_target_pass(self.target.last_pass, longest)
-        if k and not lookup:  # after target-only (or lookup) steps the call also caught up on their tokens
+        if k and not lookup and not pre_drafted:  # after target-only (or lookup) steps it also caught up on theirs
             if self.draft_in_step:
                 self.costs.record_draft(k, draft_s, draft_rtt, self.draft.last_pass)
             elif behind:
@@ -406,6 +440,7 @@ class Generation:
 
     async def release(self) -> None:
         # Best effort: idle eviction frees whatever a dead service could not release.
+        await self.ahead.discard()  # a call drafting ahead ends before its session does
         await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
 
 

@@ -12,8 +12,11 @@ are deterministic, so when sampling their q is one-hot: the acceptance rule stay
 is kept with probability p(x), and a rejection draws from p without x).
 """
 
-DRAFTERS = ("hybrid", "model", "ngram")  # who guesses: each step the better of the two, the draft model, the lookup
+# Who guesses: each step the better of the suffix drafter (suffix.py) and the draft model, the draft
+# model alone, this prompt lookup alone, the suffix drafter alone.
+DRAFTERS = ("hybrid", "model", "ngram", "suffix")
 DEFAULT_DRAFTER = "hybrid"
+LOOKUP_ONLY = ("ngram", "suffix")  # the drafters that never ask the draft model
 MIN_NGRAM = 2  # one token matches everywhere in code (`(`, `\n`): a guess needs a pair to go on
 MAX_NGRAM = 4
 

@@ -68,10 +68,10 @@ class OrchestratorMetrics:
         self.num_accepted_tokens = Counter(
             "specd_spec_decode_num_accepted_tokens", "Draft tokens the target accepted", registry=registry
         )
-        self.lookup = {  # the prompt lookup's share of the three above (the rest: the draft model's)
+        self.lookup = {  # the lookups' share of the three above (ngram or suffix; the rest: the draft model's)
             name: Counter(
                 f"specd_spec_decode_lookup_{name}",
-                f"Of specd_spec_decode_{name}, those the prompt lookup guessed (lookup.py; no draft call)",
+                f"Of specd_spec_decode_{name}, those a lookup guessed (prompt lookup or suffix drafter; no draft call)",
                 registry=registry,
             )
             for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
@@ -91,6 +91,23 @@ class OrchestratorMetrics:
             "the target service), network (the rest of both round trips)",
             ["phase"],
             buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.ahead_steps = Counter(
+            "specd_draft_ahead_steps",
+            "Steps that drafted the next step during their verify (ahead.py), by what became of the guesses: ready "
+            "(the next step took them, no Propose to wait for) or wasted (not all accepted, or the bonus differed)",
+            ["outcome"],
+            registry=registry,
+        )
+        self.ahead_wasted_tokens = Counter(
+            "specd_draft_ahead_wasted_tokens",
+            "Tokens drafted ahead and never verified (discarded guesses, and each used pre-draft's bonus guess)",
+            registry=registry,
+        )
+        self.ahead_hidden_seconds = Counter(
+            "specd_draft_ahead_hidden_seconds",
+            "Draft seconds and round trips that guesses drafted ahead spent behind a verify instead of before one",
             registry=registry,
         )
         self.resyncs = Counter(
@@ -147,3 +164,7 @@ class OrchestratorMetrics:
             self.step_seconds.labels("verify").observe(verify)
             self.step_seconds.labels("network").observe(network)
         self.resyncs.inc(stats.resyncs)
+        self.ahead_steps.labels("ready").inc(stats.ahead_ready)
+        self.ahead_steps.labels("wasted").inc(max(0, stats.ahead_steps - stats.ahead_ready))
+        self.ahead_wasted_tokens.inc(stats.ahead_wasted_tokens)
+        self.ahead_hidden_seconds.inc(stats.ahead_hidden_seconds)

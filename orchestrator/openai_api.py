@@ -18,7 +18,7 @@ a fresh one (every choice reports its `seed`). `logprobs` (and `echo`) are the t
 surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
 and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
 `top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "drafter": "ngram", "trace": true}`
-(K = 0 turns speculation off; drafter: model, ngram or hybrid; trace adds each step's draft and
+(K = 0 turns speculation off; drafter: model, ngram, suffix or hybrid; trace adds each step's draft and
 verify seconds). Every response (each choice's last chunk, when streaming) carries the request's
 speculation stats in `"specd"`, named as the gRPC Final's SpeculationStats (core.stats_dict); with
 several choices, each choice carries its own.
@@ -27,6 +27,7 @@ several choices, each choice carries its own.
 import asyncio
 import hmac
 import json
+import math
 import socket
 import tempfile
 import time
@@ -42,6 +43,7 @@ from jinja2 import TemplateError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specd.orchestrator.core import BadRequest, Core, stats_dict
+from specd.orchestrator.drain import DRAINING
 from specd.orchestrator.generation import Delta, Finished
 from specd.orchestrator.openai_request import (
     CHAT_FIELDS,
@@ -63,7 +65,8 @@ from specd.orchestrator.openai_request import (
     valid_unicode,
 )
 from specd.orchestrator.openai_response import LogprobsFormat, Scored, prompt_scored
-from specd.orchestrator.worker import Failed
+from specd.orchestrator.worker import RETRY_AFTER_S, Failed
+from specd.proto import tracing
 from specd.v1 import specdecode_pb2
 
 API_LABEL = "http"  # the `api` label of this API's requests in the metrics
@@ -251,7 +254,7 @@ class OpenAiApi:
         try:
             return [self.core.start(choice.message, API_LABEL) for choice in call.choices]
         except BadRequest as error:  # nothing ran yet: a request's events start when first read
-            raise ApiError(400, str(error)) from None
+            raise ApiError(400, str(error), error.param) from None
 
     async def complete(self, call: Call) -> dict:
         """Every choice run concurrently to its end; one failure cancels the others."""
@@ -433,6 +436,9 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
 
     async def generate(request: Request, chat: bool):
         authorize(request)
+        if api.draining:  # before the body is read: a draining server takes no new work (drain.py)
+            api.core.rejected(API_LABEL, "UNAVAILABLE")
+            raise Refused(f"UNAVAILABLE: {DRAINING}", "UNAVAILABLE", RETRY_AFTER_S)
         try:
             try:
                 body = await request.json()
@@ -533,8 +539,9 @@ class HttpApi:
 
 
 def _config(app, **tls_files) -> uvicorn.Config:
+    traced = tracing.traced_asgi(app, untraced="/health,/metrics")  # a request's trace starts here, when on
     config = uvicorn.Config(
-        app, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **tls_files
+        traced, log_level="warning", access_log=False, lifespan="off", timeout_graceful_shutdown=5, **tls_files
     )
     config.load()  # reads the TLS files now
     return config
@@ -564,7 +571,23 @@ def usage(call: Call, finished: dict[int, Finished]) -> dict:
 
 
 def _failed(failed: Failed) -> ApiError:
+    if failed.retry_after_s is not None:
+        return Refused(f"{failed.code}: {failed.message}", failed.code, failed.retry_after_s)
     return ApiError(STATUS_OF_CODE.get(failed.code, 500), f"{failed.code}: {failed.message}", code=failed.code)
+
+
+class Refused(ApiError):
+    """A request refused for load (429) or while draining (503), with `Retry-After`: the whole seconds
+    after which a retry may find room (worker.py RETRY_AFTER_S), as OpenAI's SDK reads it."""
+
+    def __init__(self, message: str, code: str, retry_after_s: float):
+        super().__init__(STATUS_OF_CODE.get(code, 429), message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return response
 
 
 def _event(payload: dict) -> str:

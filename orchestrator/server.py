@@ -1,14 +1,18 @@
 """specd.v1.SpecDecode over gRPC: translates between the wire and core.py, which does the work."""
 
 import asyncio
+import logging
 import signal
+import time
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
+from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD
 from specd.orchestrator.core import BadRequest, Core, stats_proto
+from specd.orchestrator.drain import DEFAULT_DRAIN_SECONDS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.generation import Delta, Finished
 from specd.orchestrator.lookup import DEFAULT_DRAFTER
@@ -22,6 +26,9 @@ from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 SERVICE_NAME = "specd.v1.SpecDecode"
 API_LABEL = "grpc"  # the `api` label of this API's requests in the metrics
+STOP_GRACE_S = 1.0  # after the drain, how long gRPC calls still open get before they are cancelled
+
+log = logging.getLogger("specd.orchestrator")
 
 
 class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
@@ -35,11 +42,19 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
         async for event in events:
             if isinstance(event, Failed):
-                await context.abort(grpc.StatusCode[event.code], event.message)
+                await context.abort(grpc.StatusCode[event.code], event.message, retry_pushback(event))
             yield to_proto(event)
 
     async def Info(self, request, context):
         return await self.core.info()
+
+
+def retry_pushback(failed: Failed) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata with gRPC's own retry hint (gRFC A6 `grpc-retry-pushback-ms`: a client with a
+    retry policy waits that long), for a refusal that a retry may get past (worker.py RETRY_AFTER_S)."""
+    if failed.retry_after_s is None:
+        return ()
+    return (("grpc-retry-pushback-ms", str(round(failed.retry_after_s * 1000))),)
 
 
 def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
@@ -85,6 +100,7 @@ class OrchestratorServer:
         max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS,
         drafter: str = DEFAULT_DRAFTER,
         otlp_endpoint: str | None = None,
+        draft_ahead: str = DEFAULT_DRAFT_AHEAD,
     ):
         self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
         self.security = security  # this server's token and TLS
@@ -95,6 +111,7 @@ class OrchestratorServer:
         self.default_draft_tokens = default_draft_tokens  # None: adaptive
         self.max_draft_tokens = max_draft_tokens
         self.drafter = drafter  # for requests that leave it empty (lookup.py)
+        self.draft_ahead = draft_ahead  # for requests that leave it empty (ahead.py)
         self.otlp_endpoint = otlp_endpoint  # where the Ray workers send their spans (proto/tracing.py); None: off
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -126,6 +143,7 @@ class OrchestratorServer:
             max_prompt_tokens=self.limits[1],
             max_draft_tokens=self.max_draft_tokens,
             drafter=self.drafter,
+            draft_ahead=self.draft_ahead,
         )
         self.servicer = SpecDecodeServicer(self.core)
         specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)
@@ -145,24 +163,47 @@ class OrchestratorServer:
         )
         return await self.http.start(host, port)
 
-    async def stop(self, grace: float = 5.0) -> None:
-        await self.health.enter_graceful_shutdown()
+    async def stop(self, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
+        """Drain, then stop (drain.py): refuse new requests (UNAVAILABLE, health NOT_SERVING, HTTP 503),
+        let those in flight finish within `drain_seconds` (0: none), end the rest UNAVAILABLE, close."""
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for "" and SERVICE_NAME, and it stays so
+        if self.http:
+            self.http.api.draining = True
+        if self.core:
+            drain, started = self.core.drain, time.monotonic()
+            log.info(
+                "draining: refusing new requests, %d in flight, waiting up to %g s for them (--drain-seconds)",
+                len(drain.in_flight),
+                drain_seconds,
+            )
+            finished, cut = await drain.drain(drain_seconds)
+            log.info("drained in %.1f s, requests: %d finished, %d cut", time.monotonic() - started, finished, cut)
         if self.http:
             await self.http.stop()
         if self.server:
-            await self.server.stop(grace)
+            await self.server.stop(STOP_GRACE_S)
         if self.pool:
             self.pool.shutdown()
 
+    def hurry(self) -> None:
+        """End a drain under way now (a second signal): cut the requests still running."""
+        if self.core:
+            self.core.drain.hurry()
+
 
 async def serve_until_signal(
-    server: OrchestratorServer, address: str, http_port: int | None = None, metrics_port: int | None = None
+    server: OrchestratorServer,
+    address: str,
+    http_port: int | None = None,
+    metrics_port: int | None = None,
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS,
 ) -> None:
-    """gRPC on `address`; the HTTP API and the metrics exporter on the same host (None = not started)."""
+    """gRPC on `address`; the HTTP API and the metrics exporter on the same host (None = not started).
+    SIGINT/SIGTERM drains for up to `drain_seconds`, then stops; a second one cuts the drain short."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, lambda: server.hurry() if stop.is_set() else stop.set())
     port = await server.start(address)
     host = address.rsplit(":", 1)[0].strip("[]")
     if http_port is not None:
@@ -173,4 +214,4 @@ async def serve_until_signal(
         print(f"{SERVICE_NAME} metrics on http://{host}:{exporter.server_port}/metrics", flush=True)
     print(f"{SERVICE_NAME} ready on port {port}", flush=True)
     await stop.wait()
-    await server.stop()
+    await server.stop(drain_seconds)

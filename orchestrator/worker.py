@@ -19,12 +19,19 @@ import ray
 from ray.exceptions import RayActorError
 
 from specd.orchestrator.adaptive import ServiceCosts
+from specd.orchestrator.ahead import share_cores
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
 from specd.v1 import common_pb2
+
+# The retry hint of a request refused for load: the orchestrator's limit or a full service frees a
+# place as soon as one request ends, which on a busy stack is within about a second. Both APIs send
+# it: gRPC as `grpc-retry-pushback-ms` (gRFC A6 server pushback), HTTP as `Retry-After`.
+RETRY_AFTER_S = 1.0
 
 
 @dataclass
@@ -33,6 +40,11 @@ class Failed:
 
     code: str
     message: str
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When a retry may find room (RESOURCE_EXHAUSTED: a limit, not a fault); None: no hint."""
+        return RETRY_AFTER_S if self.code == "RESOURCE_EXHAUSTED" else None
 
 
 class GenerationWorker:
@@ -50,6 +62,7 @@ class GenerationWorker:
         self.security = security  # the orchestrator's own token and CA, towards the services
         self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
         self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (adaptive.py)
+        self.recent_outputs = RecentOutputs()  # one per worker: its latest outputs, for the suffix drafter
         self.pair = None
         self.connecting = asyncio.Lock()
 
@@ -70,6 +83,7 @@ class GenerationWorker:
             self.draft_gate,
             self.costs,
             trace_parent=tracing.parent(trace_carrier),
+            recent=self.recent_outputs,
         )
         try:
             async for event in generation.run():
@@ -83,6 +97,7 @@ class GenerationWorker:
         async with self.connecting:
             if self.pair is None:
                 self.pair = await connect_pair(*self.addresses, security=self.security)
+                self.costs.shared_cores = share_cores(*self.addresses, self.pair.draft_info, self.pair.target_info)
 
 
 RemoteWorker = ray.remote(GenerationWorker)

@@ -7,7 +7,9 @@ On (`setup(endpoint, service)`), the process gets a tracer provider that sends i
 over OTLP/gRPC, and every grpc.aio server and channel it creates from then on makes a span per
 specd.v1 call and carries the W3C trace context (`traceparent`) in the call's metadata
 (opentelemetry-instrumentation-grpc). So one request is one trace:
-  1. the orchestrator's server span of SpecDecode/Generate, in the server process;
+  1. the orchestrator's server span of SpecDecode/Generate, in the server process (over HTTP: the
+     span of `POST /v1/completions` or `/v1/chat/completions`, opentelemetry-instrumentation-asgi,
+     which also continues a `traceparent` header the client sends);
   2. the request span (`specd.request`), in the Ray worker that runs the request: the context gets
      there as a carrier dict (`carrier()` in the server process, `parent()` in the worker), with a
      `step` span per step, each with its `propose` and `verify` (or `decode`) calls;
@@ -27,6 +29,7 @@ TRACED_SERVICES = "specd.v1."  # gRPC spans for specd's own calls only (not heal
 EXPORT_DELAY_MS = 1000
 
 _tracer: trace.Tracer | None = None  # set while tracing is on in this process
+_provider = None  # its TracerProvider
 _instrumentors: tuple = ()
 _NO_SPAN = contextlib.nullcontext(trace.INVALID_SPAN)
 
@@ -55,11 +58,11 @@ def install(provider) -> None:
     """Trace with `provider` (an SDK TracerProvider) from now on: specd's spans, and the spans and
     context propagation of the grpc.aio servers and channels created after this call. `setup` calls
     it; a test calls it with a provider of its own (an in-memory exporter)."""
-    global _tracer, _instrumentors
+    global _tracer, _provider, _instrumentors
     from opentelemetry.instrumentation.grpc import GrpcAioInstrumentorClient, GrpcAioInstrumentorServer
     from opentelemetry.instrumentation.grpc.filters import service_prefix
 
-    _tracer = provider.get_tracer("specd")
+    _tracer, _provider = provider.get_tracer("specd"), provider
     only_specd = service_prefix(TRACED_SERVICES)
     _instrumentors = (GrpcAioInstrumentorServer(filter_=only_specd), GrpcAioInstrumentorClient(filter_=only_specd))
     for instrumentor in _instrumentors:
@@ -68,10 +71,23 @@ def install(provider) -> None:
 
 def uninstall() -> None:
     """Tracing off again: servers and channels created from now on are plain (a test's cleanup)."""
-    global _tracer, _instrumentors
+    global _tracer, _provider, _instrumentors
     for instrumentor in _instrumentors:
         instrumentor.uninstrument()
-    _tracer, _instrumentors = None, ()
+    _tracer, _provider, _instrumentors = None, None, ()
+
+
+def traced_asgi(app, untraced: str = ""):
+    """An ASGI app with a server span per HTTP request (continuing a client's `traceparent` header), made
+    current for the whole request, a streamed body's too, so the request's spans are its children; the
+    app itself when tracing is off. `untraced`: paths without spans, comma-separated (`/health,/metrics`)."""
+    if _tracer is None:
+        return app
+    from opentelemetry.instrumentation.asgi import OpenTelemetryMiddleware
+
+    return OpenTelemetryMiddleware(
+        app, excluded_urls=untraced, tracer_provider=_provider, exclude_spans=["receive", "send"]
+    )
 
 
 def enabled() -> bool:

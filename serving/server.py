@@ -7,6 +7,7 @@ model thread (serving/thread.py).
 import asyncio
 import logging
 import signal
+import time
 from collections.abc import Callable
 
 import grpc
@@ -21,6 +22,10 @@ from specd.serving.metrics import ServiceMetrics
 from specd.serving.thread import ModelThread
 
 log = logging.getLogger("specd.serving.server")
+
+DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds: Kubernetes' default terminationGracePeriodSeconds is 30
+DRAIN_POLL_S = 0.05  # how often a drain looks whether the sessions held have ended
+STOP_GRACE_S = 2.0  # after a drain, how long a pass still running gets to answer its calls
 
 
 class ModelServer:
@@ -39,6 +44,7 @@ class ModelServer:
         self.server: grpc.aio.Server | None = None
         self.port = 0
         self._evictor: asyncio.Task | None = None
+        self._hurry = False  # a second signal: end the drain now
 
     async def start(self, address: str = "127.0.0.1:0", security: ServerSecurity = ServerSecurity()) -> int:
         """Bind and start answering (health says NOT_SERVING until load() ends); returns the port."""
@@ -67,15 +73,38 @@ class ModelServer:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         return service
 
-    async def stop(self, grace: float = 5.0) -> None:
-        """Drain: refuse new calls, let running ones finish within `grace`, free the model thread."""
+    async def stop(self, drain_seconds: float = DEFAULT_DRAIN_SECONDS) -> None:
+        """Drain, then stop. Draining refuses new sessions (UNAVAILABLE, health NOT_SERVING) but keeps
+        serving the sessions held, so that the orchestrator's requests in flight can finish; it waits
+        up to `drain_seconds` (0: not at all) for them to end (Release, idle eviction), then the
+        server stops, a running pass still answering, and the model thread is freed."""
         self.thread.draining = True
-        await self.health.enter_graceful_shutdown()
+        await self.health.enter_graceful_shutdown()  # NOT_SERVING for "" and the service, and it stays so
+        held, started = self._held(), time.monotonic()
+        log.info(
+            "draining: no new sessions, %d held, waiting up to %g s for them to end (--drain-seconds)",
+            len(held),
+            drain_seconds,
+        )
+        while self._held() and time.monotonic() < started + drain_seconds and not self._hurry:
+            await asyncio.sleep(DRAIN_POLL_S)
+        cut = len(held & self._held())
+        log.info("drained in %.1f s, sessions: %d ended, %d cut", time.monotonic() - started, len(held) - cut, cut)
         if self._evictor:
             self._evictor.cancel()
         if self.server:
-            await self.server.stop(grace)
+            await self.server.stop(STOP_GRACE_S if drain_seconds else 0)
         await asyncio.get_running_loop().run_in_executor(None, self.thread.shutdown)
+
+    def hurry(self) -> None:
+        """End a drain under way now (a second signal)."""
+        self._hurry = True
+
+    def _held(self) -> set[str]:
+        """The ids of the sessions the service holds (none while it loads). The model thread changes
+        the dict: copy() is one step under the GIL, where iterating it here could fail."""
+        service = self.thread.service
+        return set(service.store.sessions.copy()) if service else set()
 
     async def _set_health(self, status) -> None:
         for name in ("", self.service_name):
@@ -95,12 +124,14 @@ async def serve_until_signal(
     metrics_host: str = "127.0.0.1",
     metrics_port: int | None = None,
     security: ServerSecurity = ServerSecurity(),
+    drain_seconds: float = DEFAULT_DRAIN_SECONDS,
 ) -> None:
-    """The `specd serve` main: start, load, serve until SIGINT/SIGTERM, then drain."""
+    """The `specd serve` main: start, load, serve until SIGINT/SIGTERM, then drain for up to
+    `drain_seconds` and stop; a second signal cuts the drain short."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, lambda: model_server.hurry() if stop.is_set() else stop.set())
     port = await model_server.start(address, security)
     if metrics_port is not None:
         exporter = start_exporter(model_server.metrics.registry, metrics_host, metrics_port)
@@ -114,4 +145,6 @@ async def serve_until_signal(
         loading.result()
         print(f"{model_server.service_name} ready on port {port}", flush=True)
         await stopping
-    await model_server.stop()
+    else:
+        loading.cancel()  # a signal while the model loads: nothing is in flight
+    await model_server.stop(drain_seconds)

@@ -23,7 +23,7 @@ class ModelThread:
     def __init__(self):
         self.scheduler = Scheduler()
         self.service: ModelService | None = None  # None while the model loads
-        self.draining = False
+        self.draining = False  # shutting down: the sessions held are still served, no new ones open
 
     async def load(self, load_service: Callable[[], ModelService]) -> ModelService:
         self.service = await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [load_service()])))
@@ -44,7 +44,8 @@ class ModelThread:
 
     async def call(self, context: grpc.aio.ServicerContext, method: Callable, *args):
         """Run method(service, *args) alone for an RPC; errors leave as status codes."""
-        return await self._submit(context, Job(lambda _: [method(self.service, *args)]))
+        job = Job(lambda _: [method(self.service, *args)])
+        return await self._submit(context, job, ends_session=method is ModelService.release)
 
     async def batch(self, context: grpc.aio.ServicerContext, batch_method: Callable, call):
         """Run batch_method(service, [call, ...]) for an RPC, sharing the pass with waiting calls."""
@@ -52,10 +53,17 @@ class ModelThread:
         job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=call.cursor.session_id)
         return await self._submit(context, job)
 
-    async def _submit(self, context: grpc.aio.ServicerContext, job: Job):
-        if self.service is None or self.draining:
-            state = "still loading" if self.service is None else "shutting down"
-            await context.abort(grpc.StatusCode.UNAVAILABLE, f"the model is {state}; watch grpc.health.v1")
+    async def _submit(self, context: grpc.aio.ServicerContext, job: Job, ends_session: bool = False):
+        if self.service is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1")
+        if self.draining and not (ends_session or job.session_id in self.service.store.sessions):
+            # A draining service still serves the requests in flight (their sessions' calls and
+            # Release), so that they can finish; it opens no session (Prefill, a new call from token 0).
+            await context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "the model service is draining (shutting down): it serves the sessions it holds but opens no "
+                "new ones; use another replica",
+            )
         job.abandoned = _abandoned_check(context)
         try:
             result = await asyncio.wrap_future(self.scheduler.submit(job))

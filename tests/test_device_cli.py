@@ -204,9 +204,9 @@ def test_up_on_a_cluster_hands_each_service_actor_its_engine(monkeypatch):
     args = stack_args("--ray-address", "auto", *ENGINE_FLAGS)
     with pytest.raises(Spawned):
         run_on_cluster(args, check_stack_devices(args, here=False))
-    # the actor's last arguments: device, cuda_graphs, engine
-    assert started["draft"][-3:] == ("cpu", "auto", "llama.cpp")
-    assert started["target"][-3:] == ("cpu", "auto", "transformers")
+    # the actor's arguments after the ports: device, cuda_graphs, engine (then security, tracing)
+    assert started["draft"][-5:-2] == ("cpu", "auto", "llama.cpp")
+    assert started["target"][-5:-2] == ("cpu", "auto", "transformers")
 
 
 # ---------------------------------------------------------------- real processes: Info says where each computes

@@ -112,7 +112,9 @@ async def test_lost_sessions_mid_request_are_resynced_and_output_stays_exact(tin
     services = tiny_stack.services
     target_port = services.target_server.port
     tokens, final, steps = [], None, 0
-    async for reply in tiny_stack.client.Generate(request(PROMPTS[2], 3, max_new_tokens=40)):
+    message = request(PROMPTS[2], 3, max_new_tokens=40)
+    message.drafter = "model"  # every step calls the draft (a lookup could guess the rest: the baseline is indexed)
+    async for reply in tiny_stack.client.Generate(message):
         if reply.HasField("final"):
             final = reply.final
             continue

@@ -394,7 +394,7 @@ async def test_http_serves_penalties_and_they_change_the_output(tiny_http, tiny_
         ({"logit_bias": {"5": "up"}}, "logit_bias", "a number"),
         ({"logit_bias": {"5": 100.5}}, "logit_bias", "[-100, 100]"),
         ({"logit_bias": {str(token): 1 for token in range(301)}}, "logit_bias", "at most 300"),
-        ({"logit_bias": {"999999": 1}}, None, "logit_bias token id 999999 is outside the vocabulary"),
+        ({"logit_bias": {"999999": 1}}, "logit_bias", "logit_bias token id 999999 is outside the vocabulary"),
     ],
 )
 async def test_http_bad_penalties_are_400_naming_the_field(tiny_http, fields, param, fragment):

@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.request
 
 import grpc
 import pytest
@@ -27,6 +28,7 @@ from specd.proto.limits import Limits
 from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 PROMPT = "def quicksort(arr):"
+HTTP_TRACE_ID, HTTP_PARENT_ID = 0x5EC0_0000_0000_0000_0000_0000_0000_0001, 0x0BAD_CAFE_0000_0001
 MAX_NEW_TOKENS = 8
 
 
@@ -69,6 +71,12 @@ async def generate(stub, request) -> tuple[list[int], specdecode_pb2.Final]:
     return tokens, final
 
 
+def read_events(request: urllib.request.Request) -> tuple[int, list[str]]:
+    """An HTTP request's status and its body's server-sent `data:` lines."""
+    with urllib.request.urlopen(request, timeout=60) as response:
+        return response.status, [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+
+
 @pytest.fixture
 async def collector():
     server = grpc.aio.server()  # before tracing is installed: the collector's own calls are not traced
@@ -104,11 +112,22 @@ async def test_one_request_is_one_trace_over_orchestrator_worker_and_both_servic
         otlp_endpoint=endpoint,
     )
     await orchestrator.start("127.0.0.1:0")
+    http_port = await orchestrator.start_http()
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}")
     try:
         tokens, final = await generate(specdecode_pb2_grpc.SpecDecodeStub(channel), message(k=3))
+        # Over HTTP, streamed, continuing the client's own trace (W3C traceparent).
+        body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True, "ignore_eos": True}
+        headers = {
+            "traceparent": f"00-{HTTP_TRACE_ID:032x}-{HTTP_PARENT_ID:016x}-01",
+            "Content-Type": "application/json",
+        }
+        base = f"http://127.0.0.1:{http_port}"
+        post = urllib.request.Request(f"{base}/v1/completions", json.dumps(body).encode(), headers)
+        status, streamed = await asyncio.to_thread(read_events, post)
+        assert (await asyncio.to_thread(read_events, urllib.request.Request(f"{base}/health")))[0] == 200
         deadline = time.monotonic() + 20  # the worker sends its spans in batches, about every second
-        while not any(span.name == "specd.request" for span in receiver.spans) and time.monotonic() < deadline:
+        while sum(span.name == "specd.request" for span in receiver.spans) < 2 and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
     finally:
         await channel.close()
@@ -161,6 +180,17 @@ async def test_one_request_is_one_trace_over_orchestrator_worker_and_both_servic
     # The first step is the target's alone (a Decode carrying the prompt); Release closes the request.
     assert any(s.name == "/specd.v1.TargetService/Decode" for s in here)
     assert {"/specd.v1.DraftService/Release", "/specd.v1.TargetService/Release"} <= {s.name for s in here}
+
+    # HTTP: the handler's server span continues the client's trace and is the parent of the worker's request span.
+    assert status == 200 and streamed[-1] == "data: [DONE]"
+    (posted,) = [s for s in in_memory.get_finished_spans() if s.name == "POST /v1/completions"]
+    assert posted.kind == trace.SpanKind.SERVER and posted.context.trace_id == HTTP_TRACE_ID
+    assert posted.parent.span_id == HTTP_PARENT_ID
+    (http_request,) = [s for s in receiver.spans if int.from_bytes(s.trace_id, "big") == HTTP_TRACE_ID
+                       and s.name == "specd.request"]  # fmt: skip
+    assert int.from_bytes(http_request.parent_span_id, "big") == posted.context.span_id
+    assert attributes(http_request)["specd.completion_tokens"] == 4
+    assert not [s for s in in_memory.get_finished_spans() if "/health" in s.name]  # health checks are not traced
 
 
 async def test_tracing_off_sets_up_nothing_and_records_no_spans(tiny_stack):

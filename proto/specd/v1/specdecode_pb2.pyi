@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "draft_tokens", "ignore_eos", "drafter", "logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "draft_tokens", "ignore_eos", "drafter", "logprobs", "top_logprobs", "prompt_logprobs", "draft_ahead")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -31,7 +32,8 @@ class GenerateRequest(_message.Message):
     logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
-    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., drafter: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    draft_ahead: str
+    def __init__(self, prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., draft_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., drafter: _Optional[str] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., draft_ahead: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("delta", "final")
@@ -78,7 +80,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds", "step_draft_seconds", "step_verify_seconds", "drafter", "lookup_steps", "lookup_drafted", "lookup_accepted")
+    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds", "step_draft_seconds", "step_verify_seconds", "drafter", "lookup_steps", "lookup_drafted", "lookup_accepted", "ahead_steps", "ahead_ready", "ahead_late", "ahead_wasted_tokens", "ahead_hidden_seconds")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +104,11 @@ class SpeculationStats(_message.Message):
     LOOKUP_STEPS_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_DRAFTED_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_STEPS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_READY_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_LATE_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_WASTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AHEAD_HIDDEN_SECONDS_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     steps: int
     drafted: int
@@ -125,10 +132,15 @@ class SpeculationStats(_message.Message):
     lookup_steps: int
     lookup_drafted: int
     lookup_accepted: int
-    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ..., step_draft_seconds: _Optional[_Iterable[float]] = ..., step_verify_seconds: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., lookup_steps: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ...) -> None: ...
+    ahead_steps: int
+    ahead_ready: int
+    ahead_late: int
+    ahead_wasted_tokens: int
+    ahead_hidden_seconds: float
+    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ..., step_draft_seconds: _Optional[_Iterable[float]] = ..., step_verify_seconds: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., lookup_steps: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., ahead_steps: _Optional[int] = ..., ahead_ready: _Optional[int] = ..., ahead_late: _Optional[int] = ..., ahead_wasted_tokens: _Optional[int] = ..., ahead_hidden_seconds: _Optional[float] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
-    __slots__ = ("draft", "target", "default_draft_tokens", "workers", "adaptive_draft_tokens", "max_draft_tokens", "drafter")
+    __slots__ = ("draft", "target", "default_draft_tokens", "workers", "adaptive_draft_tokens", "max_draft_tokens", "drafter", "draft_ahead")
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DEFAULT_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +148,7 @@ class OrchestratorInfo(_message.Message):
     ADAPTIVE_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_FIELD_NUMBER: _ClassVar[int]
     draft: _common_pb2.ModelInfo
     target: _common_pb2.ModelInfo
     default_draft_tokens: int
@@ -143,4 +156,5 @@ class OrchestratorInfo(_message.Message):
     adaptive_draft_tokens: bool
     max_draft_tokens: int
     drafter: str
-    def __init__(self, draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., default_draft_tokens: _Optional[int] = ..., workers: _Optional[int] = ..., adaptive_draft_tokens: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ...) -> None: ...
+    draft_ahead: str
+    def __init__(self, draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., default_draft_tokens: _Optional[int] = ..., workers: _Optional[int] = ..., adaptive_draft_tokens: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., drafter: _Optional[str] = ..., draft_ahead: _Optional[str] = ...) -> None: ...
