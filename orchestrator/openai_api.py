@@ -17,11 +17,12 @@ a fresh one (every choice reports its `seed`). `logprobs` (and `echo`) are the t
 400 naming the field, as do fields OpenAI does not define; null means "not set". So do a lone
 surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
 and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
-`top_k`, `ignore_eos` (as in vLLM) and `"specd": {"draft_tokens": K, "drafter": "ngram", "trace": true}`
-(K = 0 turns speculation off; drafter: model, ngram, suffix or hybrid; trace adds each step's draft and
-verify seconds). Every response (each choice's last chunk, when streaming) carries the request's
-speculation stats in `"specd"`, named as the gRPC Final's SpeculationStats (core.stats_dict); with
-several choices, each choice carries its own.
+`top_k`, `ignore_eos` (as in vLLM) and
+`"specd": {"draft_tokens": K, "drafter": "ngram", "draft_ahead": "on", "trace": true}` (K = 0 turns
+speculation off; drafter: model, ngram, suffix or hybrid; draft_ahead: auto, on or off, ahead.py;
+trace adds each step's draft and verify seconds). Every response (each choice's last chunk, when
+streaming) carries the request's speculation stats in `"specd"`, named as the gRPC Final's
+SpeculationStats (core.stats_dict); with several choices, each choice carries its own.
 """
 
 import asyncio
@@ -156,7 +157,7 @@ class OpenAiApi:
         message.max_new_tokens = self.max_tokens(body, chat, len(prompts[0]) if chat else 0)  # chat: its ids
         message.sampling.CopyFrom(sampling_params(body))
         message.stop.extend(stop_strings(body))
-        k, message.drafter, trace = extension(body, self.core.services_max_k)
+        k, message.drafter, message.draft_ahead, trace = extension(body, self.core.services_max_k)
         if k is not None:
             message.draft_tokens = k
         if logprobs is not None:

@@ -8,6 +8,7 @@ import json
 from fastapi.responses import JSONResponse
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from specd.orchestrator.ahead import DRAFT_AHEAD_MODES
 from specd.orchestrator.lookup import DRAFTERS
 from specd.proto.limits import penalty_problem
 from specd.v1 import common_pb2
@@ -149,23 +150,26 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
-def extension(body: dict, max_k: int) -> tuple[int | None, str, bool]:
-    """`"specd": {"draft_tokens": K, "drafter": name, "trace": bool}` -> (K or None for the server's
-    default, the drafter or "" for the server's, trace); `max_k`: the largest K the services take."""
+def extension(body: dict, max_k: int) -> tuple[int | None, str, str, bool]:
+    """`"specd": {"draft_tokens": K, "drafter": name, "draft_ahead": mode, "trace": bool}` -> (K or None
+    for the server's default, the drafter and the draft-ahead mode or "" for the server's, trace);
+    `max_k`: the largest K the services take."""
     extension = typed_field(body, "specd", dict, {})
     for name in extension:
-        if name not in ("draft_tokens", "drafter", "trace"):
+        if name not in ("draft_tokens", "drafter", "draft_ahead", "trace"):
             raise ApiError(
                 400,
                 f"unknown field `specd.{name}`; the extension takes `draft_tokens` (K, 0 = off), "
-                f"`drafter` ({' | '.join(DRAFTERS)}) and `trace`",
+                f"`drafter` ({' | '.join(DRAFTERS)}), `draft_ahead` ({' | '.join(DRAFT_AHEAD_MODES)}) and `trace`",
                 f"specd.{name}",
             )
-    drafter = extension.get("drafter", "")
-    if drafter != "" and drafter not in DRAFTERS:
-        raise ApiError(
-            400, f"`specd.drafter` must be one of {', '.join(DRAFTERS)}, got {shown(drafter)}", "specd.drafter"
-        )
+    named = {}
+    for name, allowed in (("drafter", DRAFTERS), ("draft_ahead", DRAFT_AHEAD_MODES)):
+        named[name] = extension.get(name, "")
+        if named[name] != "" and named[name] not in allowed:
+            raise ApiError(
+                400, f"`specd.{name}` must be one of {', '.join(allowed)}, got {shown(named[name])}", f"specd.{name}"
+            )
     k = extension.get("draft_tokens")
     if k is not None and (not is_int(k) or k < 0):
         raise ApiError(400, f"`specd.draft_tokens` must be an integer >= 0, got {shown(k)}", "specd.draft_tokens")
@@ -179,7 +183,7 @@ def extension(body: dict, max_k: int) -> tuple[int | None, str, bool]:
     trace = extension.get("trace", False)
     if not isinstance(trace, bool):
         raise ApiError(400, f"`specd.trace` must be true or false, got {shown(trace)}", "specd.trace")
-    return k, drafter, trace
+    return k, named["drafter"], named["draft_ahead"], trace
 
 
 def streaming(body: dict) -> tuple[bool, bool]:

@@ -112,6 +112,15 @@ async def test_openai_completion_equals_grpc_greedy(tiny_http):
     stats = fixed.model_extra["specd"]
     assert fixed.choices[0].text == expected and stats["draft_tokens"] == 3 and not stats["adaptive"]
     assert stats["drafted"] > 0 and stats["accepted"] == sum(stats["accepted_per_position"])
+    ahead = await client(base).completions.create(
+        model=model,
+        prompt=PROMPT,
+        max_tokens=16,
+        temperature=0,
+        extra_body={"ignore_eos": True, "specd": {"draft_tokens": 3, "drafter": "model", "draft_ahead": "on"}},
+    )
+    stats = ahead.model_extra["specd"]
+    assert ahead.choices[0].text == expected and stats["ahead_steps"] > 0  # drafted ahead, output unchanged
 
 
 async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
@@ -208,6 +217,8 @@ async def test_models_health_and_wrong_model(tiny_http):
     "path, fields, param, fragment",
     [
         ("completions", {"n": 0}, "n", "integer >= 1"),
+        ("completions", {"specd": {"draft_ahead": "maybe"}}, "specd.draft_ahead", "one of auto, on, off"),
+        ("completions", {"specd": {"drafter": "oracle"}}, "specd.drafter", "one of hybrid, model, ngram, suffix"),
         ("completions", {"n": 100}, "n", "at most 16"),
         ("completions", {"n": 9, "prompt": ["a", "b"]}, "n", "x 2 prompts asks for 18 choices"),
         ("completions", {"best_of": 3}, "best_of", "choices it returns"),
