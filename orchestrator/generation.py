@@ -214,7 +214,9 @@ class Generation:
         if request.drafter == "ngram":
             self.lookup = PromptLookup()
         elif request.drafter != "model":  # suffix, and hybrid's lookup source (it measured the better)
-            self.lookup = SuffixDrafter(recent)
+            # Other requests' outputs only when greedy: a seeded sample stays a function of the request alone
+            # (the guesses decide which draws are made, docs/architecture.md §3 rule 4)
+            self.lookup = SuffixDrafter(recent if request.temperature <= 0 else None)
         if self.lookup:
             self.lookup.extend(self.committed)
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time

@@ -37,11 +37,21 @@ class OutputText:
         return self._release()
 
     def finish(self) -> str:
-        """The text still held back, at the end of the stream."""
+        """The text still held back, at the end of the stream: also that of tokens ending in an incomplete
+        character (decoded as the tokenizer decodes them, with U+FFFD), so the stream's text is the
+        same however its tokens were grouped into steps."""
         if self.stopped:
             return ""
+        if self.read_offset < len(self.tokens):
+            prefix_offset = max(0, self.read_offset - CONTEXT_TOKENS)
+            settled = self._decode(self.tokens[prefix_offset : self.read_offset])
+            self.text += self._decode(self.tokens[prefix_offset:])[len(settled) :]
+            self.read_offset = len(self.tokens)
+        released = self._release()  # a stop string may end in the tail
+        if self.stopped:
+            return released
         self.stop = []
-        return self._release()
+        return released + self._release()
 
     def _release(self) -> str:
         end = len(self.text)

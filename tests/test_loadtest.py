@@ -282,7 +282,8 @@ def check_run(run: dict, requests: int, max_new_tokens: int) -> None:
 
 
 async def test_closed_loop_sweep_and_open_loop_run(tiny_stack, tmp_path):
-    settings = settings_for(f"127.0.0.1:{tiny_stack.orchestrator.port}")
+    # the draft model guesses every step (a lookup could guess them all: the shared stack indexes its outputs)
+    settings = settings_for(f"127.0.0.1:{tiny_stack.orchestrator.port}", drafter="model")
     report = await loadtest.run_loadtest(settings, requests=6, concurrency=[1, 2], rates=[20.0])
     report = json.loads(json.dumps(report))  # the report is plain JSON
     assert [(r["concurrency"], r["rate"]) for r in report["runs"]] == [(1, None), (2, None), (None, 20.0)]

@@ -166,7 +166,7 @@ async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_htt
         messages=CHAT,
         max_tokens=10,
         temperature=0,
-        extra_body={"specd": {"draft_tokens": 2, "trace": True}},
+        extra_body={"specd": {"draft_tokens": 2, "drafter": "model", "trace": True}},  # each K > 0 step: a Propose
     )
     traced_stats = traced.model_extra["specd"]
     assert set(traced_stats) == STATS_FIELDS

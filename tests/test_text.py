@@ -24,6 +24,21 @@ def test_streamed_text_equals_whole_decode_whatever_the_chunking(tokenizer, text
     assert all("\ufffd" not in piece for piece in pieces)  # no half characters ever printed
 
 
+def test_a_stream_ending_inside_a_character_prints_it_whatever_the_chunking(tokenizer):
+    """The last tokens end in half a character: held back while streaming, printed (as decode prints
+    them) at the end, so every grouping of the tokens into steps gives the same text."""
+    ids = tokenizer.encode("ok 日本語", add_special_tokens=False).ids
+    lead_byte = tokenizer.token_to_id("ð")  # byte 0xF0 (byte-level BPE's alphabet): a 4-byte character begins
+    cut = ids + [lead_byte]
+    expected = tokenizer.decode(cut)
+    assert expected.endswith("\ufffd")
+    for chunk in (1, 2, 3, len(cut)):
+        output = OutputText(tokenizer)
+        pieces = [output.add(cut[i : i + chunk]) for i in range(0, len(cut), chunk)]
+        assert "\ufffd" not in "".join(pieces)  # never while streaming
+        assert "".join(pieces) + output.finish() == expected, chunk
+
+
 def test_stop_string_cuts_the_output_even_across_chunks(tokenizer):
     ids = tokenizer.encode("alpha beta STOP gamma delta", add_special_tokens=False).ids
     output = OutputText(tokenizer, stop=["STOP"])
