@@ -125,3 +125,16 @@ async def test_an_edit_prompt_is_exact_whoever_guesses(llama_stack, drafter, k):
     assert stats.drafter == drafter and stats.lookup_accepted > 0  # the lookup guessed, and rightly
     if drafter == "ngram":
         assert stats.lookup_drafted == stats.drafted
+
+
+async def test_drafting_ahead_on_the_real_pair_keeps_the_output(llama_stack):
+    """Draft-ahead forced on (orchestrator/ahead.py), the draft model guessing: the real target's greedy
+    output equals speculation off's, and some steps took guesses drafted during the previous verify."""
+    prompt = "def quicksort(arr):"
+    off = await complete(llama_stack.client, make_request(prompt, 32, draft_tokens=0, ignore_eos=True))
+    message = make_request(prompt, 32, draft_tokens=4, ignore_eos=True, drafter="model")
+    message.draft_ahead = "on"
+    run = await complete(llama_stack.client, message)
+    assert run.token_ids == off.token_ids
+    stats = run.final.stats
+    assert stats.ahead_steps > 0 and stats.ahead_ready > 0 and stats.accepted > 0
