@@ -16,19 +16,16 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import grpc
 import ray
+from test_faults import DraftProcess
 
 from specd.bench.loadtest import cpu_tag, machine_info
-from specd.deploy.local import free_port
 from specd.orchestrator.faults import FaultPolicy
-from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.server import OrchestratorServer
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
@@ -47,36 +44,15 @@ def documented_codes() -> set[str]:
     return set(re.findall(r"^\| ([A-Z_]+) \|", section, flags=re.MULTILINE))
 
 
-class ServiceProcess:
+class ServiceProcess(DraftProcess):
     """`specd serve draft|target` on a tiny model, on a fixed port so a restart comes back at the same address."""
 
+    extra_args = ("--max-sessions", "32")
+    serving_timeout_s = 180  # restarts are slow on a loaded machine
+
     def __init__(self, role: str, model_dir: Path, log_path: Path):
-        self.role, self.model_dir, self.log_path = role, model_dir, log_path
-        self.address = f"127.0.0.1:{free_port()}"
-        self.process: subprocess.Popen | None = None
-
-    def spawn(self) -> None:
-        port = self.address.rsplit(":", 1)[1]
-        command = [sys.executable, "-m", "specd.cli", "serve", self.role, "--model", str(self.model_dir)]
-        command += ["--dtype", "float32", "--threads", "1", "--port", port, "--no-metrics", "--max-sessions", "32"]
-        self.process = subprocess.Popen(
-            command,
-            stdout=open(self.log_path, "a"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
-
-    async def serving(self) -> None:
-        await wait_until_serving(self.address, timeout_s=180)
-
-    def signal(self, signum: int) -> None:
-        os.kill(self.process.pid, signum)
-
-    def kill(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        super().__init__(model_dir, log_path)
+        self.role = role
 
 
 @dataclass

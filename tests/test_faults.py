@@ -83,6 +83,10 @@ class Instrumented(ServerSecurity):
 class DraftProcess:
     """`specd serve draft` on a tiny model, on a fixed port so a restart comes back at the same address."""
 
+    role = "draft"
+    extra_args: tuple[str, ...] = ()  # more `specd serve` flags
+    serving_timeout_s = 120
+
     def __init__(self, model_dir, log_path):
         self.model_dir, self.log_path = model_dir, log_path
         self.port = free_port()
@@ -95,7 +99,7 @@ class DraftProcess:
             "-m",
             "specd.cli",
             "serve",
-            "draft",
+            self.role,
             "--model",
             str(self.model_dir),
             "--dtype",
@@ -105,6 +109,7 @@ class DraftProcess:
             "--port",
             str(self.port),
             "--no-metrics",
+            *self.extra_args,
         ]
         self.process = subprocess.Popen(
             command,
@@ -115,7 +120,7 @@ class DraftProcess:
         )
 
     async def serving(self) -> None:
-        await wait_until_serving(self.address, timeout_s=120)
+        await wait_until_serving(self.address, timeout_s=self.serving_timeout_s)
 
     def signal(self, signum: int) -> None:
         os.kill(self.process.pid, signum)
