@@ -59,6 +59,9 @@ def add_parser(verbs) -> None:
         help='one {"prompt": ..., "kind": ...} per line (default: bench/prompts.jsonl)',
     )
     parser.add_argument(
+        "--limit", type=int, default=None, metavar="N", help="the first N prompts of the file (default: all of them)"
+    )
+    parser.add_argument(
         "--max-new-tokens", type=int, default=None, help="tokens per prompt and system (default 64; 32 with --quick)"
     )
     parser.add_argument(
@@ -161,8 +164,11 @@ def _settings(args):
         prompts, kinds = systems.load_prompts(prompts_file)
     except PromptsError as error:
         raise UserError(str(error)) from error
-    if args.quick:
-        prompts, kinds = prompts[: systems.QUICK_PROMPTS], kinds[: systems.QUICK_PROMPTS]
+    limit = getattr(args, "limit", None)  # a Namespace built by hand may lack it
+    limit = limit if limit is not None else (systems.QUICK_PROMPTS if args.quick else None)
+    if limit is not None and limit < 1:
+        raise UserError("--limit must be >= 1")
+    prompts, kinds = prompts[:limit], kinds[:limit]
     tokens = args.max_new_tokens or (systems.QUICK_TOKENS if args.quick else systems.DEFAULT_TOKENS)
     return systems.BenchSettings(
         prompts=prompts,
