@@ -51,7 +51,13 @@ def add_parser(verbs) -> None:
         add_drain_flag(parser, "the requests in flight keep their sessions served; new sessions are refused")
         parser.set_defaults(run=run_model_service)
     parser = roles.add_parser("orchestrator", help="the client-facing SpecDecode server (runs its loops on Ray)")
-    parser.add_argument("--draft", required=True, metavar="HOST:PORT", help="the draft service")
+    parser.add_argument(
+        "--draft",
+        default=None,
+        metavar="HOST:PORT",
+        help="the draft service (leave it out, or give it empty, to run on the target alone: then only "
+        "--drafter ngram or suffix guess, in the orchestrator, and no draft model is needed)",
+    )
     parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
@@ -336,22 +342,25 @@ def run_orchestrator(args: argparse.Namespace) -> int:
     security, service_security = _security(args), _security(args, client=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # drain lines
     tracing.setup(args.otlp_endpoint, "specd-orchestrator")  # this process; the Ray workers set up their own
+    try:
+        server = OrchestratorServer(
+            args.draft or None,
+            args.target,
+            workers=args.workers,
+            default_draft_tokens=args.draft_tokens,
+            max_draft_tokens=args.max_draft_tokens,
+            drafter=args.drafter,
+            draft_ahead=args.draft_ahead,
+            policy=policy,
+            security=security,
+            service_security=service_security,
+            max_concurrent_requests=args.max_concurrent_requests,
+            max_prompt_tokens=args.max_prompt_tokens,
+            otlp_endpoint=args.otlp_endpoint,
+        )
+    except ValueError as error:  # e.g. no --draft for a drafter that needs one: before Ray starts
+        raise UserError(str(error)) from error
     start_ray(args.ray_address)
-    server = OrchestratorServer(
-        args.draft,
-        args.target,
-        workers=args.workers,
-        default_draft_tokens=args.draft_tokens,
-        max_draft_tokens=args.max_draft_tokens,
-        drafter=args.drafter,
-        draft_ahead=args.draft_ahead,
-        policy=policy,
-        security=security,
-        service_security=service_security,
-        max_concurrent_requests=args.max_concurrent_requests,
-        max_prompt_tokens=args.max_prompt_tokens,
-        otlp_endpoint=args.otlp_endpoint,
-    )
     try:
         asyncio.run(
             serve_until_signal(

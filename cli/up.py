@@ -59,7 +59,7 @@ def add_parser(verbs) -> None:
         "resource or a GPU, each server in a Ray actor that Ray restarts",
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (per orchestrator replica)")
-    add_drafter_flag(parser, "the orchestrator's default, ")
+    add_drafter_flag(parser, "the orchestrator's default (ngram or suffix: the stack runs no draft service); ")
     add_draft_ahead_flag(parser)
     cluster = parser.add_argument_group("with --ray-address")
     cluster.add_argument(
@@ -281,7 +281,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             print(f"{child.name:<13} {child.address:<17} metrics {child.metrics_url}")
         print_devices(stack.address)
         print(f"{'OpenAI API':<13} {stack.http_url}   (curl {stack.http_url}/models)")
-        print(f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops all three)")
+        print(f"ready: specd generate 'def fibonacci(n):' --server {stack.address}   (Ctrl-C stops the stack)")
         asyncio.run(_forever())
     except KeyboardInterrupt:
         print(f"stopping: requests in flight get up to {args.drain_seconds:g} s to finish (Ctrl-C again: at once)")
@@ -321,7 +321,7 @@ async def _forever() -> None:
 
 def print_devices(address: str, security: ClientSecurity = ClientSecurity()) -> None:
     """One line per model service: its device, the device's name, dtype and memory (the orchestrator's
-    Info relays each service's ModelInfo as it answers now)."""
+    Info relays each service's ModelInfo as it answers now; a stack without a draft has no draft line)."""
     try:
         infos = asyncio.run(_service_infos(address, security))
     except Exception as error:  # the stack runs regardless: this is only a report
@@ -337,7 +337,7 @@ async def _service_infos(address: str, security: ClientSecurity) -> list:
 
     async with channel(address, security) as open_channel:
         info = await specdecode_pb2_grpc.SpecDecodeStub(open_channel).Info(common_pb2.InfoRequest(), timeout=10)
-    return [info.draft, info.target]
+    return [info.draft, info.target] if info.HasField("draft") else [info.target]
 
 
 def describe_device(info) -> str:

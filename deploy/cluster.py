@@ -1,6 +1,7 @@
 """The whole stack on an existing Ray cluster: every server runs inside a Ray actor.
 
-1. Place: the draft on a node offering a `draft` resource (else any node), the target on a
+1. Place: the draft on a node offering a `draft` resource (else any node; none for a drafter that
+   only looks up, ngram or suffix), the target on a
    node offering a `target` resource, else one with a GPU, else any node; orchestrator
    replicas on nodes offering `orchestrator`, else anywhere. A target actor that asks Ray for
    GPUs (`target_gpus`, or 1 when it is placed by GPU) sees only the GPU(s) Ray assigned it, so
@@ -30,7 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
-from specd.orchestrator.lookup import DEFAULT_DRAFTER
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
@@ -172,7 +173,7 @@ class OrchestratorActor:
 
     def __init__(
         self,
-        draft_address: str,
+        draft_address: str | None,
         target_address: str,
         port: int,
         http_port: int | None,
@@ -220,14 +221,14 @@ class ClusterStack:
             ray.init(address=config.ray_address, logging_level="WARNING")
         resources = ray.cluster_resources()
         self.say(f"Ray cluster: {len(ray.nodes())} nodes, resources {_summary(resources)}")
+        with_draft = config.drafter not in LOOKUP_ONLY  # the lookup drafters never call a draft
         draft, target = await asyncio.gather(
-            self._start_service("draft", config.draft_model, resources),
+            self._start_service("draft", config.draft_model, resources) if with_draft else _none(),
             self._start_service("target", config.target_model, resources),
         )
+        draft_address = (config.draft_address or draft.address) if draft else None
         for i in range(config.replicas):
-            await self._start_orchestrator(
-                i, config.draft_address or draft.address, config.target_address or target.address, resources
-            )
+            await self._start_orchestrator(i, draft_address, config.target_address or target.address, resources)
         return self
 
     async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
@@ -262,7 +263,9 @@ class ClusterStack:
         await self._until_serving(deployed, timeout_s=900)
         return deployed
 
-    async def _start_orchestrator(self, index: int, draft_address: str, target_address: str, resources: dict) -> None:
+    async def _start_orchestrator(
+        self, index: int, draft_address: str | None, target_address: str, resources: dict
+    ) -> None:
         config = self.config
         actor = OrchestratorActor.options(
             name=f"specd-orchestrator-{index}", max_restarts=-1, **placement("orchestrator", resources)
@@ -333,6 +336,10 @@ def orchestrator_options(config: ClusterConfig) -> dict:
         max_prompt_tokens=config.max_prompt_tokens,
         otlp_endpoint=config.otlp_endpoint,
     )
+
+
+async def _none() -> None:
+    """A service not started."""
 
 
 def _plus(port: int | None, index: int) -> int | None:

@@ -1,8 +1,10 @@
 """The whole stack on this machine: draft, target and orchestrator, each its own process.
 
 Each child is `python -m specd serve ...`; the stack waits on grpc.health.v1 until each one
-reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends. `share_cores` is how
-`specd up` gives the two model services this machine's cores without oversubscribing them.
+reports SERVING, and stops them all (SIGTERM, then SIGKILL) however it ends. A stack whose drafter
+only looks up (`ngram`, `suffix`: lookup.py LOOKUP_ONLY) runs no draft service, only the target and
+the orchestrator. `share_cores` is how `specd up` gives the two model services this machine's cores
+without oversubscribing them.
 """
 
 import asyncio
@@ -18,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
 
 DEFAULT_DRAIN_SECONDS = 30.0  # `specd serve --drain-seconds`' default
@@ -49,7 +52,7 @@ class StackConfig:
     draft_engine: str | None = None  # auto, transformers or llama.cpp; None: the service's default (`auto`)
     target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
-    drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid)
+    drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid); ngram/suffix: no draft
     draft_ahead: str | None = None  # the orchestrator's --draft-ahead; None: its own (auto)
     otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
     drain_seconds: float | None = None  # --drain-seconds of all three processes; None: their default (30)
@@ -57,6 +60,11 @@ class StackConfig:
     # Environment of the two model services, where this process's own does not set the variable
     # (`specd up` puts SHARED_CORES_ENV here).
     service_env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def with_draft(self) -> bool:
+        """Whether the stack runs a draft service: not for a drafter that never asks it (ngram, suffix)."""
+        return self.drafter not in LOOKUP_ONLY
 
 
 @dataclass
@@ -90,56 +98,14 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         config = self.config
-        model_flags = _flags(dtype=config.dtype)
-        draft = self._spawn(
-            "draft",
-            config.draft_port,
-            config.draft_metrics_port,
-            [
-                "draft",
-                "--model",
-                config.draft_model,
-                *model_flags,
-                *_flags(
-                    threads=config.draft_threads or config.threads,
-                    quantize=config.draft_quantize,
-                    device=config.draft_device,
-                    cuda_graphs=config.draft_cuda_graphs,
-                    engine=config.draft_engine,
-                    otlp_endpoint=config.otlp_endpoint,
-                    drain_seconds=config.drain_seconds,
-                ),
-                *config.extra_service_flags,
-            ],
-            config.service_env,
-        )
-        target = self._spawn(
-            "target",
-            config.target_port,
-            config.target_metrics_port,
-            [
-                "target",
-                "--model",
-                config.target_model,
-                *model_flags,
-                *_flags(
-                    threads=config.target_threads or config.threads,
-                    quantize=config.target_quantize,
-                    device=config.target_device,
-                    cuda_graphs=config.target_cuda_graphs,
-                    engine=config.target_engine,
-                    otlp_endpoint=config.otlp_endpoint,
-                    drain_seconds=config.drain_seconds,
-                ),
-                *config.extra_service_flags,
-            ],
-            config.service_env,
-        )
-        self.say(
-            f"loading the draft ({config.draft_model}) and the target ({config.target_model}); logs in {self.log_dir}"
-        )
+        draft = self._service("draft") if config.with_draft else None  # a lookup-only drafter needs none
+        target = self._service("target")
+        loading = f"the draft ({config.draft_model}) and the target ({config.target_model})"
+        if not draft:
+            loading = f"the target ({config.target_model}), no draft: the {config.drafter} drafter only looks up"
+        self.say(f"loading {loading}; logs in {self.log_dir}")
         started = time.monotonic()
-        await asyncio.gather(self._wait(draft), self._wait(target))
+        await asyncio.gather(*(self._wait(child) for child in (draft, target) if child))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
         orchestrator = self._spawn(
             "orchestrator",
@@ -147,8 +113,7 @@ class LocalStack:
             config.metrics_port,
             [
                 "orchestrator",
-                "--draft",
-                draft.address,
+                *(["--draft", draft.address] if draft else []),
                 "--target",
                 target.address,
                 "--http-port",
@@ -167,6 +132,25 @@ class LocalStack:
         )
         await self._wait(orchestrator)
         return self
+
+    def _service(self, role: str) -> Child:
+        """`specd serve draft|target` with this stack's flags for that role (StackConfig's `<role>_*` fields)."""
+        config = self.config
+
+        def own(field: str):
+            return getattr(config, f"{role}_{field}")
+
+        flags = _flags(
+            threads=own("threads") or config.threads,
+            quantize=own("quantize"),
+            device=own("device"),
+            cuda_graphs=own("cuda_graphs"),
+            engine=own("engine"),
+            otlp_endpoint=config.otlp_endpoint,
+            drain_seconds=config.drain_seconds,
+        )
+        serve_args = [role, "--model", own("model"), *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
+        return self._spawn(role, own("port"), own("metrics_port"), serve_args, config.service_env)
 
     def _spawn(
         self, name: str, port: int, metrics_port: int, serve_args: list[str], env: dict[str, str] | None = None

@@ -20,7 +20,7 @@ from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DRAFT_AHEAD_MODES
 from specd.orchestrator.drain import Drain
 from specd.orchestrator.generation import GenerationRequest, Stats
-from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.worker import Failed, WorkerPool
@@ -47,7 +47,7 @@ class BadRequest(Exception):
 
 @dataclass
 class Core:
-    pair: ServicePair  # the connected draft and target, their Info and the target's tokenizer
+    pair: ServicePair  # the connected draft (if any) and target, their Info and the target's tokenizer
     pool: WorkerPool
     default_draft_tokens: int | None = None  # K when a request leaves it unset; None: adaptive
     metrics: OrchestratorMetrics | None = None
@@ -79,24 +79,26 @@ class Core:
 
     @property
     def room(self) -> int:
-        """The longest session both services take (prompt + output)."""
-        return min(self.pair.target_info.max_session_tokens, self.pair.draft_info.max_session_tokens)
+        """The longest session every service takes (prompt + output)."""
+        return min(info.max_session_tokens for info in self.pair.infos)
 
     @property
     def services_max_k(self) -> int:
-        return min(self.pair.draft_info.max_draft_tokens, self.pair.target_info.max_draft_tokens)
+        return min(info.max_draft_tokens for info in self.pair.infos)
 
     def q_max_k(self, sampling: common_pb2.SamplingParams) -> int | None:
         """The largest K whose q rows at this sampling fit the draft's --max-q-bytes (ModelInfo.max_q_bytes);
-        None where nothing bounds it: greedy (no q rows), or a draft that reports no limit."""
+        None where nothing bounds it: greedy (no q rows), no draft (a lookup's rows are one-hot, a few
+        bytes each), or a draft that reports no limit."""
         draft = self.pair.draft_info
-        if sampling.temperature == 0 or not draft.max_q_bytes:
+        if sampling.temperature == 0 or draft is None or not draft.max_q_bytes:
             return None
         return q_draft_tokens(draft.max_q_bytes, sampling.top_k, draft.vocab_size)
 
     async def info(self) -> specdecode_pb2.OrchestratorInfo:
         """The services' Info as they answer now (sessions, cached tokens, queued calls, passes by
-        batch size); for a service that does not answer in time, what it said when we connected."""
+        batch size); for a service that does not answer in time, what it said when we connected.
+        Without a draft service, `draft` is left unset."""
         draft, target = await asyncio.gather(
             _live_info(self.pair.draft_stub, self.pair.draft_info),
             _live_info(self.pair.target_stub, self.pair.target_info),
@@ -181,11 +183,17 @@ class Core:
         drafter = message.drafter or self.drafter
         if drafter not in DRAFTERS:
             raise BadRequest(f"drafter {message.drafter!r} is not one of {', '.join(DRAFTERS)}")
+        if not self.pair.has_draft and drafter not in LOOKUP_ONLY:
+            raise BadRequest(
+                f"drafter {drafter!r} guesses with the draft model, and this server runs without a draft "
+                f"service: ask for {' or '.join(LOOKUP_ONLY)} (lookups over the text, no draft model)"
+            )
         draft_ahead = message.draft_ahead or self.draft_ahead
         if draft_ahead not in DRAFT_AHEAD_MODES:
             raise BadRequest(f"draft_ahead {message.draft_ahead!r} is not one of {', '.join(DRAFT_AHEAD_MODES)}")
         max_k, q_max_k = self.max_draft_tokens, self.q_max_k(sampling)
-        propose_limit = min(self.pair.draft_info.max_draft_tokens, q_max_k or self.pair.draft_info.max_draft_tokens)
+        draft = self.pair.draft_info
+        propose_limit = min(draft.max_draft_tokens, q_max_k or draft.max_draft_tokens) if draft else 0
         if q_max_k is not None:  # sampling with a large top_k (or none): a smaller K, never a refused Propose
             k, max_k = None if k is None else min(k, q_max_k), min(max_k, q_max_k)
         return GenerationRequest(
@@ -261,7 +269,10 @@ async def _refused(message: str):
     yield Failed("UNAVAILABLE", message)
 
 
-async def _live_info(stub, known: common_pb2.ModelInfo) -> common_pb2.ModelInfo:
+async def _live_info(stub, known: common_pb2.ModelInfo | None) -> common_pb2.ModelInfo | None:
+    """The service's Info now; what it said at connect time if it does not answer (None: no such service)."""
+    if stub is None:
+        return known
     try:
         return await stub.Info(common_pb2.InfoRequest(), timeout=INFO_TIMEOUT_S)
     except grpc.aio.AioRpcError:

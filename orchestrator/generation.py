@@ -14,6 +14,8 @@ Protocol (per request):
      cancel ends the request without a Finished (DEADLINE_EXCEEDED, or nobody left to read it).
      Both sessions are released whatever happened.
 Speculation off (K = 0, asked for or chosen) runs step 2 as a plain decode on the target alone.
+The lookup-only drafters (ngram, suffix) never call the draft, so they run without a draft service
+too (draft_stub None: an orchestrator started without --draft).
 Draft-ahead (ahead.py) sits beside step 2: while the target verifies, the draft guesses the next step
 on the assumption that all is accepted; step 1 of the next step takes those guesses when it was.
 A draft that is down or slower than its deadline is skipped the same way, step by step (fail
@@ -183,6 +185,8 @@ class Generation:
         self.request = request
         self.trace_parent = trace_parent  # the caller's trace context (tracing.parent); None: a trace of its own
         self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
+        if draft_stub is None and request.drafter not in LOOKUP_ONLY:
+            raise ValueError(f"drafter {request.drafter!r} needs a draft service, and there is none (core.py)")
         session_id = request.session_id or uuid.uuid4().hex
         self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)

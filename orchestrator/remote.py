@@ -30,13 +30,30 @@ class PairMismatch(Exception):
 
 @dataclass
 class ServicePair:
-    draft_stub: draft_pb2_grpc.DraftServiceStub
+    """The connected services. Without a draft service (draft_stub and draft_info None) only the
+    lookup drafters guess (lookup.py LOOKUP_ONLY), and they never call a draft."""
+
+    draft_stub: draft_pb2_grpc.DraftServiceStub | None
     target_stub: target_pb2_grpc.TargetServiceStub
-    draft_info: common_pb2.ModelInfo
+    draft_info: common_pb2.ModelInfo | None
     target_info: common_pb2.ModelInfo
     tokenizer: Tokenizer
     channels: tuple
     tokenizer_config: dict = field(default_factory=dict)  # the target's, with its chat template
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_info is not None
+
+    @property
+    def infos(self) -> list[common_pb2.ModelInfo]:
+        """The Info of each service there is (the draft's first), for limits every service must respect."""
+        return [info for info in (self.draft_info, self.target_info) if info is not None]
+
+    @property
+    def stubs(self) -> list:
+        """A stub for each service there is (the draft's first), for calls every service gets (Release)."""
+        return [stub for stub in (self.draft_stub, self.target_stub) if stub is not None]
 
 
 async def wait_until_serving(
@@ -60,22 +77,27 @@ async def wait_until_serving(
 
 
 async def connect_pair(
-    draft_address: str, target_address: str, timeout_s: float = 600.0, security: ClientSecurity = ClientSecurity()
+    draft_address: str | None,
+    target_address: str,
+    timeout_s: float = 600.0,
+    security: ClientSecurity = ClientSecurity(),
 ) -> ServicePair:
-    """Wait for both services, check they form a pair; `security`: the orchestrator's token and CA."""
-    await asyncio.gather(
-        wait_until_serving(draft_address, timeout_s, security), wait_until_serving(target_address, timeout_s, security)
-    )
-    draft_channel = security.channel(draft_address, CHANNEL_OPTIONS)
+    """Wait for both services, check they form a pair; `security`: the orchestrator's token and CA.
+    `draft_address` None (or empty): the target alone, for the lookup drafters."""
+    draft_address = draft_address or None
+    addresses = [address for address in (draft_address, target_address) if address]
+    await asyncio.gather(*(wait_until_serving(address, timeout_s, security) for address in addresses))
     target_channel = security.channel(target_address, CHANNEL_OPTIONS)
-    draft_stub = draft_pb2_grpc.DraftServiceStub(draft_channel)
     target_stub = target_pb2_grpc.TargetServiceStub(target_channel)
-    draft_info, target_info, files = await asyncio.gather(
-        draft_stub.Info(common_pb2.InfoRequest()),
-        target_stub.Info(common_pb2.InfoRequest()),
-        target_stub.Tokenizer(common_pb2.TokenizerRequest()),
+    target_info, files = await asyncio.gather(
+        target_stub.Info(common_pb2.InfoRequest()), target_stub.Tokenizer(common_pb2.TokenizerRequest())
     )
-    check_pair(draft_info, target_info)
+    draft_channel = draft_stub = draft_info = None
+    if draft_address:
+        draft_channel = security.channel(draft_address, CHANNEL_OPTIONS)
+        draft_stub = draft_pb2_grpc.DraftServiceStub(draft_channel)
+        draft_info = await draft_stub.Info(common_pb2.InfoRequest())
+        check_pair(draft_info, target_info)
     tokenizer = Tokenizer.from_str(files.files["tokenizer.json"].decode())
     return ServicePair(
         draft_stub,
@@ -83,7 +105,7 @@ async def connect_pair(
         draft_info,
         target_info,
         tokenizer,
-        (draft_channel, target_channel),
+        tuple(channel for channel in (draft_channel, target_channel) if channel is not None),
         tokenizer_config(files.files),
     )
 

@@ -15,7 +15,7 @@ from specd.orchestrator.core import BadRequest, Core, stats_proto
 from specd.orchestrator.drain import DEFAULT_DRAIN_SECONDS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.generation import Delta, Finished
-from specd.orchestrator.lookup import DEFAULT_DRAFTER
+from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
@@ -84,11 +84,14 @@ def _top(row: tuple[list[int], list[float]]) -> common_pb2.TopLogprobs:
 
 
 class OrchestratorServer:
-    """The SpecDecode server: connect to the pair, start the Ray workers, serve."""
+    """The SpecDecode server: connect to the pair, start the Ray workers, serve.
+
+    `draft_address` None (or empty): the target alone, where only the lookup drafters guess
+    (`drafter` ngram or suffix; hybrid and model need the draft, and are refused at once)."""
 
     def __init__(
         self,
-        draft_address: str,
+        draft_address: str | None,
         target_address: str,
         workers: int = 2,
         default_draft_tokens: int | None = None,
@@ -102,11 +105,16 @@ class OrchestratorServer:
         otlp_endpoint: str | None = None,
         draft_ahead: str = DEFAULT_DRAFT_AHEAD,
     ):
+        if not draft_address and drafter not in LOOKUP_ONLY:
+            raise ValueError(
+                f"--drafter {drafter} guesses with the draft model, which needs --draft HOST:PORT; "
+                f"without a draft service choose --drafter {' or '.join(LOOKUP_ONLY)}"
+            )
         self.policy = policy  # per-call caps, target retries, draft back-off (faults.py)
         self.security = security  # this server's token and TLS
         self.service_security = service_security  # the token and CA it uses towards the services
         self.limits = (max_concurrent_requests, max_prompt_tokens)  # None = unlimited
-        self.addresses = (draft_address, target_address)
+        self.addresses = (draft_address or None, target_address)
         self.workers = workers
         self.default_draft_tokens = default_draft_tokens  # None: adaptive
         self.max_draft_tokens = max_draft_tokens

@@ -1,10 +1,11 @@
 """Ray actors that run generation loops; a pool that spreads requests over them.
 
 Each GenerationWorker is an async Ray actor holding its own gRPC channels to the draft and the
-target; it runs many requests concurrently (one Generation each) and streams events back
-through a Ray streaming generator. Ray places and restarts the actors; the pool only picks the
-least busy one, refuses requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose
-actor died with UNAVAILABLE (the actor restarts and serves the next requests).
+target (the target alone where the orchestrator runs without a draft, remote.py); it runs many
+requests concurrently (one Generation each) and streams events back through a Ray streaming
+generator. Ray places and restarts the actors; the pool only picks the least busy one, refuses
+requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose actor died with UNAVAILABLE
+(the actor restarts and serves the next requests).
 """
 
 import asyncio
@@ -50,7 +51,7 @@ class Failed:
 class GenerationWorker:
     def __init__(
         self,
-        draft_address: str,
+        draft_address: str | None,
         target_address: str,
         policy: FaultPolicy = FaultPolicy(),
         security: ClientSecurity = ClientSecurity(),
@@ -97,7 +98,8 @@ class GenerationWorker:
         async with self.connecting:
             if self.pair is None:
                 self.pair = await connect_pair(*self.addresses, security=self.security)
-                self.costs.shared_cores = share_cores(*self.addresses, self.pair.draft_info, self.pair.target_info)
+                if self.pair.has_draft:
+                    self.costs.shared_cores = share_cores(*self.addresses, self.pair.draft_info, self.pair.target_info)
 
 
 RemoteWorker = ray.remote(GenerationWorker)
@@ -111,7 +113,7 @@ class WorkerPool:
 
     def __init__(
         self,
-        draft_address: str,
+        draft_address: str | None,
         target_address: str,
         workers: int = 2,
         concurrency: int = 64,
@@ -222,9 +224,7 @@ class WorkerPool:
         if self.pair:
             release = common_pb2.ReleaseRequest(session_id=session_id)
             await asyncio.gather(
-                self.pair.draft_stub.Release(release, timeout=5.0),
-                self.pair.target_stub.Release(release, timeout=5.0),
-                return_exceptions=True,
+                *(stub.Release(release, timeout=5.0) for stub in self.pair.stubs), return_exceptions=True
             )
 
     def shutdown(self) -> None:
