@@ -26,6 +26,14 @@ of 5, 119 ms). Other CPUs may add buffer types of their own, so the engine does 
 trust: at load it scores a few positions both ways (`_exact`) and takes the first setting that is
 bit-for-bit exact on this CPU, else one position per call.
 
+Why scoring every call through the gemm (rows padded to 4) is no way out either, measured on an AMD EPYC
+(family 23, AVX2 only, 2 threads, the default target): the gemm is slower per row there (1 real row padded to 4:
+313 ms against a 98 ms one-row decode; 16 rows 1003 ms), and not exact against itself across call shapes (a
+position scored in a call of 5 rows differs from the same position in a call of 4). And a pass batches only
+as far as llama.cpp splits it: with a KV stream per sequence, one ubatch takes sequences with consecutive seq
+ids and as many tokens each (`llama_batch_allocr::split_equal`), so sessions with scattered seq ids run as
+several ubatches.
+
 On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
 (a general protection fault in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open): measured
 on an Intel Xeon (family 6, model 167) with llama-cpp-python 0.3.36 and with llama-server 0.26.
