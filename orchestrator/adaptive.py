@@ -37,6 +37,13 @@ disagree break them: a stream at the draft misses the pass the others decode in,
 takes a pass of its own (each pass reads the weights again). So under load (B ≥ SHARED_LOAD)
 every request prices K at the worker's α, not its own, and the streams of a worker decide alike.
 
+Off, the target decodes on alone: a target-only step asks for a run of tokens (target.proto
+DecodeRequest.steps), as many as take DECODE_RUN_SECONDS at the load, so the round trip and the
+orchestrator's work per call (which on shared cores also slows the target's pass) are paid once a
+run, not once a token (as vLLM's multi-step scheduling pays its CPU work once per several steps).
+So K = 0 is priced at t_verify(0) + RTT/run per token, and the probe schedule and budget count the
+tokens of a run as the off steps they replace.
+
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
 after a few steps (doubling up to PROBE_MAX_STEPS while probes keep failing) and refreshes α
@@ -85,6 +92,8 @@ PROBE_BUDGET = 0.03  # the share of its target-only time a worker may spend on p
 LOOKUP_ALPHA_PRIOR = 0.5  # prompt lookup before anything is measured: its guesses are often all or nothing
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
 AHEAD_MARGIN = 0.02  # draft ahead (auto) only where it promises to save this share of a synchronous step
+DECODE_RUN_SECONDS = 0.2  # a target-only step asks for the tokens the target decodes in about this long
+MAX_DECODE_RUN = 16  # ... and at most this many (a stream's text still arrives in pieces of a few)
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -297,6 +306,12 @@ class ServiceCosts:
         (k0, t0), (k1, t1) = ends
         return max(t0 + max(0.0, (t1 - t0) / (k1 - k0)) * (k - k0), 1e-6)
 
+    def decode_run(self) -> int:
+        """Tokens a target-only step asks the target for (a Decode run): as many as it decodes in about
+        DECODE_RUN_SECONDS at the load, at most MAX_DECODE_RUN; one until a decode is measured."""
+        t_decode = self.verify_seconds(0)
+        return max(1, min(MAX_DECODE_RUN, int(DECODE_RUN_SECONDS / t_decode))) if t_decode else 1
+
     def ready(self) -> bool:
         """Enough to compare speculating with not: a decode, a verify and a draft time."""
         return 0 in self.verify_by_k and len(self.verify_by_k) > 1 and self.draft_per_token.value is not None
@@ -313,14 +328,16 @@ def best_draft_length(
     switch_on: float = 0.0,
     tokens_left: int = 1,
     margin: float = 1.0,
+    decode_run: int = 1,
 ) -> int:
     """argmax over K in min_k..max_k of E[tokens](K) / seconds(K); t_verify is a function of K.
     switch_on: the seconds turning speculation on costs once (the draft's catch-up), spread over
-    the steps left; margin: how much more than target-only a K > 0 must promise."""
+    the steps left; margin: how much more than target-only a K > 0 must promise; decode_run: the
+    tokens of a target-only step, which pays its round trip once."""
 
     def rate(k: int) -> float:
         if not k:
-            return tokens_per_second(alpha, 0, t_draft, t_verify(0), rtt_target)
+            return tokens_per_second(alpha, 0, t_draft, t_verify(0), rtt_target / decode_run)
         once = switch_on * expected_tokens(alpha, k) / max(1, tokens_left)
         return tokens_per_second(alpha, k, t_draft, t_verify(k), rtt_target + rtt_draft + once) / margin
 
@@ -390,7 +407,8 @@ class AdaptiveK:
         rtt = costs.rtt_target.value or 0.0
 
         def rate(alpha: float, k: int, t_draft: float = 0.0, rtt_draft: float = 0.0) -> float:
-            return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, rtt + (rtt_draft if k else 0))
+            network = rtt + rtt_draft if k else rtt / costs.decode_run()
+            return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, network)
 
         k = max(range(1, max_k + 1), key=lambda k: rate(self.lookup_alpha.value, k))
         off = rate(1.0, 0)  # target-only
@@ -412,6 +430,13 @@ class AdaptiveK:
             return 0  # under load its longer verify delays every stream: paid from the budget
         self.lookup_off, self.lookup_every = 0, min(2 * self.lookup_every, PROBE_MAX_STEPS)
         return 1
+
+    def decoded_run(self, tokens: int) -> None:
+        """A target-only step decoded `tokens` in a run: the probe schedule and budget count each
+        token past the first as the off step it stands for."""
+        extra = max(0, tokens - 1)
+        self.off_steps += extra
+        self.costs.probe_budget += PROBE_BUDGET * (self.costs.verify_seconds(0) or 0.0) * extra
 
     def observe(self, k: int, accepted: int, lookup: bool = False) -> None:
         """One speculative step: `accepted` of `k` guesses (the prompt lookup's, or the model's).
@@ -467,4 +492,5 @@ class AdaptiveK:
             switch_on=costs.catchup_seconds(behind) * costs.load(),
             tokens_left=tokens_left,
             margin=ON_MARGIN if margin else 1.0,
+            decode_run=costs.decode_run(),
         )

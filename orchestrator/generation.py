@@ -13,7 +13,9 @@ Protocol (per request):
   4. Finish on max_new_tokens ("length"), EOS or a stop string ("stop"). A client's deadline or
      cancel ends the request without a Finished (DEADLINE_EXCEEDED, or nobody left to read it).
      Both sessions are released whatever happened.
-Speculation off (K = 0, asked for or chosen) runs step 2 as a plain decode on the target alone.
+Speculation off (K = 0, asked for or chosen) runs step 2 on the target alone: a Decode run of as
+many tokens as it decodes in about 0.2 s (adaptive.py `decode_run`; one on the first step), each fed
+back before the next, in one round trip.
 The lookup-only drafters (ngram, suffix) never call the draft, so they run without a draft service
 too (draft_stub None: an orchestrator started without --draft).
 Draft-ahead (ahead.py) sits beside step 2: while the target verifies, the draft guesses the next step
@@ -317,8 +319,8 @@ class Generation:
         guesses = [] if proposal is None else list(proposal.draft_tokens)
         # 2. Verify: the target scores the committed tail and the guesses in one pass, keeps the
         #    longest prefix it agrees with and adds one token of its own (recovered or bonus); with
-        #    no guesses it decodes one token. Rejected guesses need no message: each service
-        #    truncates to the agreed prefix on its next call (sessions.py).
+        #    no guesses it decodes on alone for a run of tokens. Rejected guesses need no message:
+        #    each service truncates to the agreed prefix on its next call (sessions.py).
         caught_up = self.target.behind(committed)  # > 0: this call also prefills (or resyncs) first
         if guesses and not looked_up:  # beside the verify: the next step's guesses, if it pays (ahead.py)
             self.ahead.start(committed, guesses, len(guesses))
@@ -329,13 +331,26 @@ class Generation:
                     committed, guesses, proposal.q, self.sampling, **self.logprob_options()
                 )
             else:
-                verdict, served = await self.target.decode(committed, self.sampling, **self.logprob_options())
+                verdict, served = await self.target.decode(
+                    committed, self.sampling, **self.run_options(), **self.logprob_options()
+                )
         # 3. Record what the step cost and kept (the stats, and what the K chooser learns from).
         verify_time = (time.perf_counter() - started, served)
         looked_up, pre_drafted = bool(looked_up), bool(pre_drafted)
-        self.record(len(guesses), verdict.accepted, draft_time, verify_time, behind, looked_up, caught_up, pre_drafted)
+        emitted = list(verdict.emitted_tokens)
+        self.record(
+            len(guesses),
+            verdict.accepted,
+            draft_time,
+            verify_time,
+            behind,
+            looked_up,
+            caught_up,
+            pre_drafted,
+            len(emitted),
+        )
         # 4. Commit what the target emitted, cut at EOS or the token budget.
-        return *self.commit(list(verdict.emitted_tokens)), verdict
+        return *self.commit(emitted), verdict
 
     def draft_length(self, behind: int = 0) -> tuple[int, list[int]]:
         """K for this step and, where the prompt lookup guesses, its K guesses (else the draft's K):
@@ -358,6 +373,15 @@ class Generation:
         if not model or (k and len(found) >= k):
             return min(k, len(found)), found[:k]
         return k, []
+
+    def run_options(self) -> dict:
+        """The DecodeRequest fields of a target-only step: a run of the tokens the target decodes in
+        about DECODE_RUN_SECONDS (adaptive.py), never past the token budget, ending at EOS; one token
+        on the first step (its prefill's time says nothing of a decode's yet, and the first token
+        should stream at once)."""
+        left = self.request.max_new_tokens - self.generated
+        steps = 1 if self.stats.steps == 0 else max(1, min(self.costs.decode_run(), left))
+        return dict(steps=steps, stop_token_ids=sorted(self.eos_ids)) if steps > 1 else {}
 
     def looked_up(self, guesses: list[int]) -> draft_pb2.ProposeResponse:
         """The prompt lookup's guesses as a draft's reply; deterministic, so when sampling each q row is one-hot."""
@@ -398,19 +422,21 @@ class Generation:
         lookup: bool = False,
         target_behind: int = 0,
         pre_drafted: bool = False,
+        emitted: int = 1,
     ) -> None:
         """Stats, and the measurements the K chooser lives on. Each call: (wall seconds, served seconds
         or None); behind: the tokens the draft caught up on first; lookup: the prompt lookup guessed
         (no draft call: the draft falls behind by the step's tokens); target_behind: the tokens the
         target caught up on first (the prompt, on the first step): that call's time is a prefill's,
         not a decode's or a verify's, and says nothing of t_verify(K); pre_drafted: the guesses were
-        drafted ahead (ahead.py), so the step's draft time is a wait, not a Propose's."""
+        drafted ahead (ahead.py), so the step's draft time is a wait, not a Propose's; emitted: the
+        tokens the target answered (a target-only step's run: t_verify(0) is a decode's, per token)."""
         self.stats.record_times(*draft, *verify)
         self.stats.record_step(k, accepted, lookup)
         draft_s, verify_s, network_s = self.stats.step_seconds[-1]
         draft_rtt = draft[0] - draft_s
         if not target_behind:
-            self.costs.record_verify(k, verify_s, network_s - draft_rtt)
+            self.costs.record_verify(k, verify_s / (1 if k else emitted), network_s - draft_rtt)
         if self.target.last_pass:
             longest = max(self.stats.draft_tokens, DEFAULT_MAX_DRAFT_TOKENS) + 1  # any verify's row
             self.costs.record_target_pass(self.target.last_pass, longest)
@@ -421,6 +447,8 @@ class Generation:
                 self.costs.record_catchup(behind, draft[0], k)
         if k and self.chooser:
             self.chooser.observe(k, accepted, lookup)
+        elif self.chooser:
+            self.chooser.decoded_run(emitted)
         self.draft_in_step = k > 0 and not lookup
         tracing.annotate(  # the step's span
             k=k,

@@ -124,7 +124,8 @@ class RemoteSession:
         return reply, seconds
 
     async def decode(self, committed: list[int], sampling: common_pb2.SamplingParams, **options):
-        """Target, speculation off: one token of its own; `options`: more DecodeRequest fields."""
+        """Target, speculation off: one token of its own, or a run of them (`steps`, with the
+        `stop_token_ids` that end it early); `options`: more DecodeRequest fields."""
         reply, seconds = await self._call(
             committed,
             lambda cursor: self.stub.Decode(

@@ -18,6 +18,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 # The largest --max-q-bytes: half a message, so the Verify that carries the rows on to the target,
 # with its cursor's tokens, always fits.
 MAX_Q_BYTES = MAX_MESSAGE_BYTES // 2
+# The longest Decode run (target.proto DecodeRequest.steps): tokens one call may emit.
+MAX_DECODE_STEPS = 64
 
 
 # Penalties and logit_bias (common.proto SamplingParams), as OpenAI and vLLM bound them.

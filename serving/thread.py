@@ -47,13 +47,17 @@ class ModelThread:
         job = Job(lambda _: [method(self.service, *args)])
         return await self._submit(context, job, ends_session=method is ModelService.release)
 
-    async def batch(self, context: grpc.aio.ServicerContext, batch_method: Callable, call):
-        """Run batch_method(service, [call, ...]) for an RPC, sharing the pass with waiting calls."""
+    async def batch(self, context: grpc.aio.ServicerContext, batch_method: Callable, call, refusal: bool = False):
+        """Run batch_method(service, [call, ...]) for an RPC, sharing the pass with waiting calls.
+        refusal: a refused call returns its EngineError instead of ending the RPC with it (a later
+        step of a Decode run, which ends with the tokens it has)."""
         run = lambda calls: batch_method(self.service, calls)  # noqa: E731
         job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=call.cursor.session_id)
-        return await self._submit(context, job)
+        return await self._submit(context, job, refusal=refusal)
 
-    async def _submit(self, context: grpc.aio.ServicerContext, job: Job, ends_session: bool = False):
+    async def _submit(
+        self, context: grpc.aio.ServicerContext, job: Job, ends_session: bool = False, refusal: bool = False
+    ):
         if self.service is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the model is still loading; watch grpc.health.v1")
         if self.draining and not (ends_session or job.session_id in self.service.store.sessions):
@@ -76,6 +80,8 @@ class ModelThread:
                 )  # fmt: skip
             return result
         except EngineError as error:
+            if refusal:
+                return error
             await abort_with(context, error)
         except Abandoned as abandoned:
             await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(abandoned))

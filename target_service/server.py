@@ -2,6 +2,8 @@
 
 from collections.abc import Callable
 
+from specd.model.errors import EngineError, InvalidRequest
+from specd.proto.limits import MAX_DECODE_STEPS
 from specd.serving.messages import cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto
 from specd.serving.server import ModelServer
 from specd.serving.thread import ModelThread
@@ -31,15 +33,40 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))
 
     async def Decode(self, request, context):
-        cursor, sampling = cursor_from_proto(request.cursor), sampling_from_proto(request.sampling)
-        call = VerifyCall(
-            cursor, [], [], sampling, request.return_logprobs, request.top_logprobs, request.prompt_logprobs
-        )
-        return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))
+        """One token, or a run of `steps`: each step a call of its own on the model thread (other
+        sessions' calls share its passes and take turns), continuing where the last one left off."""
+        call, steps = await parsed(context, _decode_call, request)
+        run = await self.thread.batch(context, Verifier.verify_batch, call)
+        stops = set(request.stop_token_ids)
+        while len(run.emitted_tokens) < steps and run.emitted_tokens[-1] not in stops:
+            call = call.following(run)
+            step = await self.thread.batch(context, Verifier.verify_batch, call, refusal=True)
+            if isinstance(step, EngineError):  # the session is full: the run ends with what it has
+                break
+            run = run.then(step)
+        return _verify_response(run)
 
     async def Release(self, request, context):
         released = await self.thread.call(context, Verifier.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)
+
+
+def _decode_call(request: target_pb2.DecodeRequest) -> tuple[VerifyCall, int]:
+    """The run's first call, and how many tokens the run may emit."""
+    if request.steps > MAX_DECODE_STEPS:
+        raise InvalidRequest(f"steps must be in 0..{MAX_DECODE_STEPS} (0 or 1: one token), got {request.steps}")
+    steps = max(1, request.steps)
+    call = VerifyCall(
+        cursor_from_proto(request.cursor),
+        [],
+        [],
+        sampling_from_proto(request.sampling),
+        request.return_logprobs,
+        request.top_logprobs,
+        request.prompt_logprobs,
+        follow=steps > 1,
+    )
+    return call, steps
 
 
 def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:

@@ -1,9 +1,10 @@
 """The target engine: score the committed tail plus K drafts in one pass, keep what it agrees with.
 
 Concurrent calls share that pass (verify_batch); each keeps its own rule, randomness and rollback.
+A Decode run (target.proto `steps`) is a chain of such calls, each continuing the last (`follow`).
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -13,6 +14,7 @@ from specd.model.errors import EngineError, InvalidRequest
 from specd.model.sampling import Sampling, check_penalties, densify, penalise, probs_from_logits
 from specd.model.service import ModelService, check_continuation, check_sampling, open_each, single
 from specd.model.sessions import Cursor, Session
+from specd.proto.contract import fingerprint
 
 
 @dataclass(frozen=True)
@@ -24,6 +26,12 @@ class VerifyCall:
     return_logprobs: bool = False
     top_logprobs: int = 0  # with return_logprobs: the N most likely tokens at each emitted position too
     prompt_logprobs: bool = False  # with return_logprobs, on a decode from token 0: score cursor.tokens[1:] too
+    follow: bool = False  # a Decode run goes on after it: say the fingerprint of what the session then holds
+
+    def following(self, step: "Verification") -> "VerifyCall":
+        """The run's next Decode: from where `step` left the session, its last token fed back."""
+        cursor = Cursor(self.cursor.session_id, step.cached_tokens, step.fingerprint, step.emitted_tokens[-1:])
+        return replace(self, cursor=cursor, prompt_logprobs=False)
 
     @property
     def new_tokens(self) -> int:
@@ -45,6 +53,18 @@ class Verification:
     top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)  # per emitted token
     prompt_logprobs: list[float] = field(default_factory=list)  # of cursor.tokens[1:], when asked
     prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
+    fingerprint: int = 0  # of the cached tokens, when the call asked (`follow`)
+
+    def then(self, step: "Verification") -> "Verification":
+        """This run's tokens followed by a later step's (a Decode run: no guesses, nothing accepted)."""
+        return replace(
+            self,
+            emitted_tokens=self.emitted_tokens + step.emitted_tokens,
+            logprobs=self.logprobs + step.logprobs,
+            top_logprobs=self.top_logprobs + step.top_logprobs,
+            cached_tokens=step.cached_tokens,
+            fingerprint=step.fingerprint,
+        )
 
 
 class Verifier(ModelService):
@@ -86,6 +106,8 @@ class Verifier(ModelService):
         verdict = accept_draft(call.draft_tokens, p, q, call.sampling, first_position)
         self.store.truncate(session, first_position + verdict.accepted)  # the rollback
         verification = Verification(verdict.accepted, verdict.emitted, [], len(session.tokens))
+        if call.follow:
+            verification.fingerprint = fingerprint(session.tokens)
         if call.return_logprobs:  # from the raw logits: vLLM's raw logprobs (target.proto)
             verification.logprobs, verification.top_logprobs = _logprobs(logits, verdict.emitted, call.top_logprobs)
         if prompt_rows is not None:

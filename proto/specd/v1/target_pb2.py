@@ -26,7 +26,7 @@ from specd.v1 import common_pb2 as specd_dot_v1_dot_common__pb2
 from specd.v1 import draft_pb2 as specd_dot_v1_dot_draft__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x14specd/v1/draft.proto\"\xd2\x01\n\rVerifyRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\r\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"\xac\x01\n\rDecodeRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\"\xdd\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x32\n\x13prompt_top_logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x04 \x01(\r2\x83\x03\n\rTargetService\x12\x32\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x13.specd.v1.ModelInfo\x12\x44\n\tTokenizer\x12\x1a.specd.v1.TokenizerRequest\x1a\x1b.specd.v1.TokenizerResponse\x12>\n\x07Prefill\x12\x18.specd.v1.PrefillRequest\x1a\x19.specd.v1.PrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12;\n\x06\x44\x65\x63ode\x12\x17.specd.v1.DecodeRequest\x1a\x18.specd.v1.VerifyResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/target.proto\x12\x08specd.v1\x1a\x15specd/v1/common.proto\x1a\x14specd/v1/draft.proto\"\xd2\x01\n\rVerifyRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\x12\x14\n\x0c\x64raft_tokens\x18\x02 \x03(\r\x12\'\n\x01q\x18\x03 \x03(\x0b\x32\x1c.specd.v1.SparseDistribution\x12*\n\x08sampling\x18\x04 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x05 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x06 \x01(\r\"\xd3\x01\n\rDecodeRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\x12*\n\x08sampling\x18\x02 \x01(\x0b\x32\x18.specd.v1.SamplingParams\x12\x17\n\x0freturn_logprobs\x18\x03 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x04 \x01(\r\x12\x17\n\x0fprompt_logprobs\x18\x05 \x01(\x08\x12\r\n\x05steps\x18\x06 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\"\xdd\x01\n\x0eVerifyResponse\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\r\x12\x16\n\x0e\x65mitted_tokens\x18\x02 \x03(\r\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12+\n\x0ctop_logprobs\x18\x05 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x17\n\x0fprompt_logprobs\x18\x06 \x03(\x02\x12\x32\n\x13prompt_top_logprobs\x18\x07 \x03(\x0b\x32\x15.specd.v1.TopLogprobs\x12\x15\n\rcached_tokens\x18\x04 \x01(\r2\x83\x03\n\rTargetService\x12\x32\n\x04Info\x12\x15.specd.v1.InfoRequest\x1a\x13.specd.v1.ModelInfo\x12\x44\n\tTokenizer\x12\x1a.specd.v1.TokenizerRequest\x1a\x1b.specd.v1.TokenizerResponse\x12>\n\x07Prefill\x12\x18.specd.v1.PrefillRequest\x1a\x19.specd.v1.PrefillResponse\x12;\n\x06Verify\x12\x17.specd.v1.VerifyRequest\x1a\x18.specd.v1.VerifyResponse\x12;\n\x06\x44\x65\x63ode\x12\x17.specd.v1.DecodeRequest\x1a\x18.specd.v1.VerifyResponse\x12>\n\x07Release\x12\x18.specd.v1.ReleaseRequest\x1a\x19.specd.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,9 +36,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_VERIFYREQUEST']._serialized_start=81
   _globals['_VERIFYREQUEST']._serialized_end=291
   _globals['_DECODEREQUEST']._serialized_start=294
-  _globals['_DECODEREQUEST']._serialized_end=466
-  _globals['_VERIFYRESPONSE']._serialized_start=469
-  _globals['_VERIFYRESPONSE']._serialized_end=690
-  _globals['_TARGETSERVICE']._serialized_start=693
-  _globals['_TARGETSERVICE']._serialized_end=1080
+  _globals['_DECODEREQUEST']._serialized_end=505
+  _globals['_VERIFYRESPONSE']._serialized_start=508
+  _globals['_VERIFYRESPONSE']._serialized_end=729
+  _globals['_TARGETSERVICE']._serialized_start=732
+  _globals['_TARGETSERVICE']._serialized_end=1119
 # @@protoc_insertion_point(module_scope)

@@ -25,18 +25,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., draft_tokens: _Optional[_Iterable[int]] = ..., q: _Optional[_Iterable[_Union[_draft_pb2.SparseDistribution, _Mapping]]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("cursor", "sampling", "return_logprobs", "top_logprobs", "prompt_logprobs")
+    __slots__ = ("cursor", "sampling", "return_logprobs", "top_logprobs", "prompt_logprobs", "steps", "stop_token_ids")
     CURSOR_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     cursor: _common_pb2.SessionCursor
     sampling: _common_pb2.SamplingParams
     return_logprobs: bool
     top_logprobs: int
     prompt_logprobs: bool
-    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
+    steps: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, cursor: _Optional[_Union[_common_pb2.SessionCursor, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., return_logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., steps: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
     __slots__ = ("accepted", "emitted_tokens", "logprobs", "top_logprobs", "prompt_logprobs", "prompt_top_logprobs", "cached_tokens")

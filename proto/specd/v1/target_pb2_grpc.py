@@ -102,7 +102,8 @@ class TargetServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Decode(self, request, context):
-        """/ Speculation off: sync the session and emit one token of the target's own.
+        """/ Speculation off: sync the session and emit one token of the target's own, or a run of
+        / `steps` of them, each cached before the next is drawn.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
