@@ -42,7 +42,8 @@ DecodeRequest.steps), as many as take DECODE_RUN_SECONDS at the load, so the rou
 orchestrator's work per call (which on shared cores also slows the target's pass) are paid once a
 run, not once a token (as vLLM's multi-step scheduling pays its CPU work once per several steps).
 So K = 0 is priced at t_verify(0) + RTT/run per token, and the probe schedule and budget count the
-tokens of a run as the off steps they replace.
+tokens of a run as the off steps they replace. Where the lookup has guesses the step stays one token
+(generation.py), so the lookup's own comparison prices off as one decode and one round trip.
 
 K = 0 is the off-switch: speculation stopped paying (acceptance collapsed, or the target is
 so busy that verifying K tokens no longer rides free). While off, a probe step drafts again
@@ -407,8 +408,7 @@ class AdaptiveK:
         rtt = costs.rtt_target.value or 0.0
 
         def rate(alpha: float, k: int, t_draft: float = 0.0, rtt_draft: float = 0.0) -> float:
-            network = rtt + rtt_draft if k else rtt / costs.decode_run()
-            return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, network)
+            return tokens_per_second(alpha, k, t_draft, costs.verify_seconds(k) or 0.0, rtt + (rtt_draft if k else 0))
 
         k = max(range(1, max_k + 1), key=lambda k: rate(self.lookup_alpha.value, k))
         off = rate(1.0, 0)  # target-only

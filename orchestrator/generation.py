@@ -226,6 +226,7 @@ class Generation:
         if self.lookup:
             self.lookup.extend(self.committed)
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
+        self.lookup_offered = False  # the lookup had guesses this step (taken or not)
         self.ahead = DraftAhead(self, request.draft_ahead)  # the next step's guesses, drafted during a verify
 
     @property
@@ -359,10 +360,12 @@ class Generation:
         from the target alone). A fixed K takes the lookup's guesses when it has K of them (an
         `ngram` or `suffix` request: whatever it has, up to K)."""
         request, left = self.request, self.request.max_new_tokens - self.generated
+        self.lookup_offered = False
         if self.stats.steps == 0:
             return 0, []
         most = request.max_draft_tokens if self.chooser else request.draft_tokens
         found = self.lookup.propose(most) if self.lookup else []
+        self.lookup_offered = bool(found)
         model = request.drafter not in LOOKUP_ONLY
         if self.chooser:
             k = self.chooser.lookup_k(left, len(found), behind, model) if found else 0
@@ -376,11 +379,13 @@ class Generation:
 
     def run_options(self) -> dict:
         """The DecodeRequest fields of a target-only step: a run of the tokens the target decodes in
-        about DECODE_RUN_SECONDS (adaptive.py), never past the token budget, ending at EOS; one token
+        about DECODE_RUN_SECONDS (adaptive.py), never past the token budget, ending at EOS. One token
         on the first step (its prefill's time says nothing of a decode's yet, and the first token
-        should stream at once)."""
+        should stream at once), and where the lookup had guesses it was not worth verifying: it
+        looks again after the next token (a run would pass over its chances)."""
         left = self.request.max_new_tokens - self.generated
-        steps = 1 if self.stats.steps == 0 else max(1, min(self.costs.decode_run(), left))
+        single = self.stats.steps == 0 or self.lookup_offered
+        steps = 1 if single else max(1, min(self.costs.decode_run(), left))
         return dict(steps=steps, stop_token_ids=sorted(self.eos_ids)) if steps > 1 else {}
 
     def looked_up(self, guesses: list[int]) -> draft_pb2.ProposeResponse:
