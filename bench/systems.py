@@ -343,7 +343,7 @@ async def run_bench(
         runs,
         [hf.encode(p) for p in settings.prompts],
         {
-            "order": "interleaved per prompt: " + " ".join((*SYSTEMS, *peers)),
+            "order": "interleaved per prompt: " + " ".join((*run_order(), *peers)),
             "warmup": f"each system once on {WARMUP_PROMPT!r}",
             "timing": "HF: generate() wall time in process; specd: client wall time of the Generate stream",
             "dtype": str(models[1].dtype).removeprefix("torch."),
@@ -367,7 +367,7 @@ async def _run_all(
     from specd.v1 import specdecode_pb2_grpc
 
     n, k = settings.max_new_tokens, settings.draft_tokens
-    order = (*SYSTEMS, *(peers or {}))
+    order = (*run_order(), *(peers or {}))
     runs: dict = {system: [] for system in order}
     async with channel(address) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
@@ -410,6 +410,15 @@ async def _run_all(
 
 async def _sync(value):
     return value
+
+
+def run_order() -> tuple[str, ...]:
+    """SYSTEMS in the order they run on each prompt: specd_spec before specd_target, since the suffix
+    drafter (orchestrator/suffix.py) guesses from the worker's recent outputs, and specd_target's
+    output of the same prompt (greedy: the same tokens) would let it guess every token."""
+    rest = [system for system in SYSTEMS if system != "specd_spec"]
+    at = rest.index("specd_target")
+    return (*rest[:at], "specd_spec", *rest[at:])
 
 
 def _load_average() -> list[float] | None:

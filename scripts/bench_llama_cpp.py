@@ -44,7 +44,10 @@ from specd.model.store import find_spec, gguf_path
 from specd.proto.client import channel
 from specd.v1 import specdecode_pb2_grpc
 
-SYSTEMS = ("llama_target", "llama_spec", "llama_lookup", "specd_target", "specd_model", "specd_spec")
+# The order they run in on each prompt. specd_spec comes first of specd's: its suffix drafter guesses from
+# the worker's recent outputs (orchestrator/suffix.py), and the other two's output of the same prompt
+# (greedy: the same tokens) would let it guess every token.
+SYSTEMS = ("llama_target", "llama_spec", "llama_lookup", "specd_spec", "specd_target", "specd_model")
 LLAMA_SPECULATION = {  # llama-server's flags for each of its systems
     "llama_target": [],
     # -md alone loads the draft but does not speculate in this llama-server (--spec-type defaults to none)

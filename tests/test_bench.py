@@ -317,7 +317,7 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     assert report["settings"]["server_info"]["dtype"] == "float32"
     assert report["settings"]["hf_assisted_generation"]["num_assistant_tokens"] >= 1
     assert report["settings"]["hf_prompt_lookup"]["prompt_lookup_num_tokens"] == systems.LOOKUP_TOKENS
-    assert report["settings"]["order"].endswith("hf_target hf_assisted hf_lookup specd_target specd_spec")
+    assert report["settings"]["order"].endswith("hf_target hf_assisted hf_lookup specd_spec specd_target")
 
     bench_report.save_plot(report, tmp_path / "bench.png")
     assert (tmp_path / "bench.png").read_bytes().startswith(PNG_SIGNATURE)
@@ -435,7 +435,7 @@ async def test_a_peer_is_a_system_of_its_own(tiny_stack, tiny_loaded, tiny_http,
     assert report["greedy_match"] is True  # the built-in systems' figures stand as before
     assert report["settings"]["peers"] == {"specd_http": url}
     assert report["settings"]["peer_models"] == {"specd_http": model}
-    assert report["settings"]["order"].endswith("specd_target specd_spec specd_http")
+    assert report["settings"]["order"].endswith("specd_spec specd_target specd_http")
 
     from rich.console import Console
 
