@@ -284,7 +284,7 @@ async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     report = await systems.run_bench(
         settings, advance=labels.append, say=lambda message: None, models=(tiny_loaded["draft"], tiny_loaded["target"])
     )
-    assert len(labels) == 2 * len(bench_report.SYSTEMS) == 2 * 5 and labels[-1] == "prompt 2/2 specd_spec"
+    assert len(labels) == 2 * len(bench_report.SYSTEMS) == 2 * 5 and labels[-1] == "prompt 2/2 specd_target"
     json.loads(json.dumps(report))  # serializable as it stands
 
     assert set(report) >= TOP_KEYS

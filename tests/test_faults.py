@@ -42,13 +42,14 @@ def request(k: int, max_new_tokens: int) -> specdecode_pb2.GenerateRequest:
 
 
 class Recorder(grpc.aio.ServerInterceptor):
-    """Slows every specd call by `delay` seconds and records the deadline each session call (all but
-    Release) arrived with."""
+    """Slows every specd call by `delay` seconds a step (a Decode run of n tokens: n steps), counts
+    the Verify calls and records the deadline each session call (all but Release) arrived with."""
 
     def __init__(self):
         self.delay = 0.0
         self.time_remaining: list[float | None] = []
         self.cancel_next = False  # end the next call CANCELLED, as a stopping server may
+        self.verifies = 0
 
     async def intercept_service(self, continuation, details):
         handler = await continuation(details)
@@ -59,8 +60,9 @@ class Recorder(grpc.aio.ServerInterceptor):
         async def slowed(request, context):
             if not details.method.endswith("/Release"):  # cleanup, sent after the request ended: its own cap
                 self.time_remaining.append(context.time_remaining())
+            self.verifies += details.method.endswith("/Verify")
             if self.delay:
-                await asyncio.sleep(self.delay)
+                await asyncio.sleep(self.delay * max(1, getattr(request, "steps", 1)))
             if self.cancel_next and not details.method.endswith("/Release"):
                 self.cancel_next = False
                 await context.abort(grpc.StatusCode.CANCELLED, "CANCELLED")
@@ -207,9 +209,10 @@ async def baseline(client, max_new_tokens: int) -> list[int]:
 async def stream_through_fault(client, recorder: Recorder, max_new_tokens: int, inject, recover, recovered):
     """Stream a greedy K=4 request; inject() after 3 deltas, recover() once recovered() says so.
 
-    Returns (tokens, final, phases): phases[i] is "before", "during" or "after" for delta i.
+    Returns (tokens, final, phases): phases[i] is ("before", "during" or "after", K, tokens) for delta
+    i, one delta per step, K its guesses (the final stats' draft_lengths: 0 for a target-only step).
     """
-    tokens, final, phases, phase = [], None, [], "before"
+    tokens, final, phases, phase, verifies = [], None, [], "before", 0
     async for reply in client.Generate(request(4, max_new_tokens)):
         if reply.HasField("final"):
             final = reply.final
@@ -221,23 +224,25 @@ async def stream_through_fault(client, recorder: Recorder, max_new_tokens: int, 
             phase = "during"
         elif phase == "during" and recovered():
             await recover()
-            phase = "after"
-        elif phase == "after" and len(reply.delta.token_ids) > 1:
+            phase, verifies = "after", recorder.verifies
+        elif phase == "after" and recorder.verifies > verifies:
             recorder.delay = 0.0  # speculation is back: the rest may run at full speed
-    return tokens, final, phases
+    assert len(final.stats.draft_lengths) == len(phases)
+    return tokens, final, [(phase, k, size) for (phase, size), k in zip(phases, final.stats.draft_lengths)]
 
 
 def check_fail_closed(phases) -> None:
-    during = [size for phase, size in phases if phase == "during"]
-    after = [size for phase, size in phases if phase == "after"]
-    assert len(during) >= 8, "the request kept streaming while the draft was out"
-    # Target-only while the draft is out: one token per step, until speculation resumes. (A step
-    # in flight at the fault may still finish speculatively, and on a loaded machine the test
-    # notices a comeback a second or more after the orchestrator did.)
+    during = [(k, size) for phase, k, size in phases if phase == "during"]
+    after = [k for phase, k, _ in phases if phase == "after"]
+    assert sum(size for _, size in during) >= 8, "the request kept streaming while the draft was out"
+    # Target-only while the draft is out (K = 0: Decode runs, each token slowed as one step), until
+    # speculation resumes. (A step in flight at the fault may still finish speculatively, and on a
+    # loaded machine the test notices a comeback a second or more after the orchestrator did.)
     settled = during[2:]
-    resumed = next((i for i, size in enumerate(settled) if size > 1), len(settled))
-    assert resumed >= 6, f"target-only while the draft is out: one token per step: {during}"
-    assert any(size > 1 for size in after), "speculation resumed once the draft was back"
+    resumed = next((i for i, (k, _) in enumerate(settled) if k > 0), len(settled))
+    target_only = sum(size for _, size in settled[:resumed])
+    assert resumed >= 1 and target_only >= 8, f"target-only while the draft is out: (K, tokens) {during}"
+    assert any(k > 0 for k in after), "speculation resumed once the draft was back"
 
 
 async def test_draft_killed_mid_stream_fails_closed_then_resumes_after_restart(faults):
@@ -261,13 +266,13 @@ async def test_draft_killed_mid_stream_fails_closed_then_resumes_after_restart(f
     faults.recorder.delay = 0.0
     print(
         f"draft kill: {len(phases)} deltas in {time.monotonic() - started:.1f} s, "
-        f"{sum(p == 'during' for p, _ in phases)} while the draft was down; resyncs {final.stats.resyncs}"
+        f"{sum(p == 'during' for p, _, _ in phases)} while the draft was down; resyncs {final.stats.resyncs}"
     )
     assert tokens == expected  # exact: every token is the target's own
     assert final.finish_reason == "length"
     check_fail_closed(phases)
     assert final.stats.resyncs >= 1  # the restarted draft had lost the session: re-prefilled
-    assert final.stats.drafted > 4 * sum(p == "before" for p, _ in phases)  # it drafted again after the restart
+    assert final.stats.drafted > 4 * sum(p == "before" for p, _, _ in phases)  # it drafted again after the restart
     assert await faults.sessions_drain() == (0, 0)
 
 
