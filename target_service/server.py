@@ -41,7 +41,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         while len(run.emitted_tokens) < steps and run.emitted_tokens[-1] not in stops:
             call = call.following(run)
             step = await self.thread.batch(context, Verifier.verify_batch, call, refusal=True)
-            if isinstance(step, EngineError):  # the session is full: the run ends with what it has
+            if isinstance(step, EngineError):  # refused (the session full, or released): the run ends here
                 break
             run = run.then(step)
         return _verify_response(run)
