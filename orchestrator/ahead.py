@@ -118,7 +118,9 @@ class DraftAhead:
         gen.stats.ahead_ready += 1
         gen.stats.ahead_late += waited > MIN_WAIT_S
         gen.stats.ahead_wasted_tokens += 1  # b: checked against the target's token, never verified
-        gen.stats.ahead_hidden_seconds += max(0.0, pending.finished - pending.started - waited)
+        # A task can be done before its done-callbacks (the one that sets `finished`) have run
+        finished = pending.finished if pending.finished is not None else time.perf_counter()
+        gen.stats.ahead_hidden_seconds += max(0.0, finished - pending.started - waited)
         self.pending = None
         guesses = draft_pb2.ProposeResponse(draft_tokens=reply.draft_tokens[1:], q=reply.q[1:])
         return guesses, (waited, waited)
