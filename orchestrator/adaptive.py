@@ -378,8 +378,7 @@ class AdaptiveK:
             and self._best(max_k, calls=1.0, quiet=True)
         ):
             return 0  # off for the load alone: the passes' fit turns it back on as B falls, no probe needed
-        self.off_steps += 1
-        self.costs.probe_budget += PROBE_BUDGET * (self.costs.verify_seconds(0) or 0.0)
+        self._count_off(1)
         if self.off_steps < self.probe_every:
             return 0
         if behind > PROBE_MAX_BEHIND:  # the probe's catch-up would be a prefill beside the busy target
@@ -434,9 +433,12 @@ class AdaptiveK:
     def decoded_run(self, tokens: int) -> None:
         """A target-only step decoded `tokens` in a run: the probe schedule and budget count each
         token past the first as the off step it stands for."""
-        extra = max(0, tokens - 1)
-        self.off_steps += extra
-        self.costs.probe_budget += PROBE_BUDGET * (self.costs.verify_seconds(0) or 0.0) * extra
+        self._count_off(max(0, tokens - 1))
+
+    def _count_off(self, steps: int) -> None:
+        """Target-only steps toward the next probe, each paying PROBE_BUDGET of a decode into the budget."""
+        self.off_steps += steps
+        self.costs.probe_budget += PROBE_BUDGET * (self.costs.verify_seconds(0) or 0.0) * steps
 
     def observe(self, k: int, accepted: int, lookup: bool = False) -> None:
         """One speculative step: `accepted` of `k` guesses (the prompt lookup's, or the model's).
