@@ -167,7 +167,7 @@ def _print_stats(result: dict) -> None:
             f"{result['usage']['prompt_tokens']} / {result['usage']['completion_tokens']}",
         ),
         ("draft length K", describe_draft_lengths(stats)),
-        ("steps (target passes)", stats["steps"]),
+        ("steps (target calls)", stats["steps"]),
         (
             "guessed by (steps)",
             f"{stats.get('drafter') or '?'}: prompt lookup {stats.get('lookup_steps', 0)}, "
