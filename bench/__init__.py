@@ -1,2 +1,3 @@
-"""The load-testing harness (loadtest.py, no torch) and the peer benchmark: systems.py runs the
-systems, report.py turns their runs into figures, tables and a plot (no torch)."""
+"""The load tester (loadtest.py and its parts, no torch) and the peer benchmark: systems.py runs the
+systems, figures.py turns their runs into a report, report.py prints and plots it (no torch); output.py
+writes progress and tables with or without a terminal. bench/README.md lists every module."""

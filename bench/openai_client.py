@@ -31,7 +31,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import openai
 
-from specd.bench.loadtest import RequestResult, Settings
+from specd.bench.workload import RequestResult, Settings
 
 
 class TargetError(ValueError):

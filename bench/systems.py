@@ -1,6 +1,6 @@
 """The peer benchmark (`specd bench`): specd against Hugging Face `generate` on the same prompts
-and settings. This module runs the systems; `specd.bench.report` turns the runs into the
-figures, tables and plot.
+and settings. This module runs the systems; `specd.bench.figures` turns the runs into the
+report's figures, and `specd.bench.report` prints and plots them.
 
 Five systems, batch 1, greedy, every one producing exactly max_new_tokens tokens (EOS is
 ignored by all five: HF's models get a generation config without an eos_token_id, specd's
@@ -44,7 +44,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specd.bench.report import SYSTEMS, build_report
+from specd.bench.figures import SYSTEMS, build_report
 
 QUICK_PROMPTS = 4
 QUICK_TOKENS = 32
@@ -106,9 +106,9 @@ def load_prompts(path: Path | str) -> tuple[list[str], list[str]]:
     """Prompts and their kinds from a JSON-lines file of {"prompt": ..., "kind": ...} (loadtest's format)."""
     import json
 
-    from specd.bench.loadtest import load_prompts as checked_prompts
+    from specd.bench.workload import load_prompts as checked_prompts
 
-    prompts = checked_prompts(path)  # raises loadtest.PromptsError with a line number on bad input
+    prompts = checked_prompts(path)  # raises workload.PromptsError with a line number on bad input
     kinds = [str(json.loads(line).get("kind", "")) for line in Path(path).read_text().splitlines() if line.strip()]
     return prompts, kinds
 
@@ -362,7 +362,7 @@ async def run_bench(
 async def _run_all(
     settings: BenchSettings, hf: HFSystems, address: str, advance: Advance | None, say, peers: dict | None = None
 ) -> dict:
-    from specd.bench.loadtest import _server_info
+    from specd.bench.grpc_target import server_info
     from specd.proto.client import channel
     from specd.v1 import specdecode_pb2_grpc
 
@@ -372,7 +372,7 @@ async def _run_all(
     async with channel(address) as open_channel:
         stub = specdecode_pb2_grpc.SpecDecodeStub(open_channel)
         specd = SpecdSystems(stub, settings.timeout)
-        runs["server_info"] = info = await _server_info(stub, settings.timeout)
+        runs["server_info"] = info = await server_info(stub, settings.timeout)
         hf_dtype = str(hf.target.dtype).removeprefix("torch.")
         if info and info["dtype"] and info["dtype"] != hf_dtype:
             say(

@@ -27,7 +27,6 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specd.cli.common import (
     UserError,
@@ -105,29 +104,17 @@ def add_parser(verbs) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from specd.bench import systems
+    from specd.bench.output import Progress, print_tables
     from specd.bench.report import SYSTEMS, save_plot, summary_tables
 
     settings = _settings(args)
     console = Console(stderr=True)
-    if not console.is_terminal:  # a log file or a pipe: wide enough for the per-prompt table
-        console.width = max(console.width, 132)
     started = time.perf_counter()
     total = len(settings.prompts) * (len(SYSTEMS) + len(settings.peers))
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
-        task = progress.add_task("starting", total=total)
-
-        def advance(label: str) -> None:
-            progress.update(task, advance=1, description=label)
-
+    with Progress(console) as progress:
+        advance = progress.task("starting", total)
         try:
-            report = asyncio.run(systems.run_bench(settings, advance=advance, say=progress.console.log))
+            report = asyncio.run(systems.run_bench(settings, advance=advance, say=progress.say))
         except Exception as error:
             if type(error).__name__ in (
                 "AioRpcError",
@@ -140,8 +127,7 @@ def run(args: argparse.Namespace) -> int:
                 raise UserError(_describe(error)) from error
             raise
     report["settings"]["wall_seconds"] = round(time.perf_counter() - started, 1)
-    for table in summary_tables(report):
-        console.print(table)
+    print_tables(console, *summary_tables(report))
     console.print(f"wall time {report['settings']['wall_seconds']:.0f} s (model loading included)")
     write_report(console, report, args.json, args.plot, save_plot)
     return 0
@@ -149,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _settings(args):
     from specd.bench import systems
-    from specd.bench.loadtest import DEFAULT_PROMPTS, PromptsError
+    from specd.bench.workload import DEFAULT_PROMPTS, PromptsError
 
     if args.draft_tokens == 0:
         raise UserError("--draft-tokens must be >= 1 or auto (specd_target already measures K = 0)")

@@ -31,7 +31,6 @@ import re
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from specd.cli.common import UserError, add_drafter_flag, write_report
 
@@ -144,6 +143,7 @@ def add_parser(verbs) -> None:
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     from specd.bench import loadtest, loadtest_report
+    from specd.bench.output import Progress, print_tables
 
     parser = parser or argparse.ArgumentParser(prog="specd loadtest")
     _check_targets(args, parser)
@@ -152,9 +152,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     settings = _settings(args, loadtest)
     targets = _targets(args, loadtest)
     console = Console(stderr=True)
-    with Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console
-    ) as progress:
+    with Progress(console) as progress:
         try:
             report = asyncio.run(
                 loadtest.run_loadtest(
@@ -162,7 +160,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
                     args.requests,
                     concurrency=[] if args.rate else args.concurrency,
                     rates=args.rate or [],
-                    progress=_progress_hook(progress),
+                    progress=progress.task,
                     prompts_file=str(args.prompts or loadtest.DEFAULT_PROMPTS),
                     compare=args.compare,
                     repeats=args.repeats,
@@ -172,9 +170,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
             )
         except _target_errors(targets) as error:  # a server that refuses connections, no model, ...
             raise UserError(str(error)) from None
-    console.print(loadtest_report.summary_table(report))
+    tables = [loadtest_report.summary_table(report)]
     if args.compare:
-        console.print(loadtest_report.comparison_table(report))
+        tables.append(loadtest_report.comparison_table(report))
+    print_tables(console, *tables)
     write_report(console, report, args.json, args.plot, loadtest_report.save_plot)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
 
@@ -287,14 +286,6 @@ def _check(args) -> None:
         raise UserError("--concurrency levels must be >= 1 and --rate > 0")
     if not (args.rate or args.concurrency):
         raise UserError("give at least one --concurrency level or --rate")
-
-
-def _progress_hook(progress: Progress):
-    def start(label: str, total: int):
-        task = progress.add_task(label, total=total)
-        return lambda: progress.advance(task)
-
-    return start
 
 
 def _int_list(text: str) -> list[int]:

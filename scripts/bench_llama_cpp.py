@@ -36,7 +36,7 @@ from pathlib import Path
 
 import requests
 
-from specd.bench.report import by_source
+from specd.bench.figures import by_source
 from specd.bench.systems import SpecdSystems, load_prompts
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
 from specd.model.llama_cpp_engine import ggml_has_amx

@@ -1,0 +1,95 @@
+"""What a load test sends and what it gets back: the prompt files, the settings every request asks
+for (`Settings`), and the record of one request as the client saw it (`RequestResult`), which the
+targets (grpc_target.py, openai_client.py) fill and the figures (loadtest_stats.py) read.
+
+A prompts file is JSON lines, `{"prompt": ..., "kind": ...}`: the default `prompts.jsonl` mixes
+code, docstrings, prose and chat, `prose.jsonl` is an LLMPerf-style prose workload of sonnet lines,
+`long.jsonl` ~1,000-token code prompts. Requests take the prompts in turn.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specd.v1 import specdecode_pb2
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+PROSE_PROMPTS = Path(__file__).resolve().parent / "prose.jsonl"  # LLMPerf-style: sonnet lines to stream on
+LONG_PROMPTS = Path(__file__).resolve().parent / "long.jsonl"  # ~1,000-token code prompts (Python stdlib, PSF)
+
+
+class PromptsError(ValueError):
+    """The prompts file is missing or malformed."""
+
+
+@dataclass
+class Settings:
+    """What every request of a load test asks for, and where it goes."""
+
+    server: str
+    prompts: list[str]
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 0
+    draft_tokens: int | None = None  # None: the server's default K; 0: speculation off
+    drafter: str = ""  # "": the server's default drafter
+    ignore_eos: bool = True
+    timeout: float = 600.0
+
+
+@dataclass
+class RequestResult:
+    """One Generate call as the client saw it (perf_counter seconds)."""
+
+    started: float
+    ended: float = 0.0
+    delta_times: list[float] = field(default_factory=list)  # arrival of each delta that carried tokens
+    delta_tokens: list[int] = field(default_factory=list)  # tokens each of those deltas carried
+    completion_tokens: int = 0
+    stats: specdecode_pb2.SpeculationStats | None = None
+    error: str | None = None  # gRPC status code name, or the exception's class name
+    index: int = 0  # the request's number in its run (its prompt and seed)
+    text: str = ""  # the completion's text
+    prompt_tokens: int | None = None  # as the server counted them (None: not reported)
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def e2e(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def ttft(self) -> float | None:
+        return self.delta_times[0] - self.started if self.delta_times else None
+
+    @property
+    def tpot(self) -> float | None:
+        if self.ttft is None or self.completion_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.completion_tokens - 1)
+
+
+def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[str]:
+    """The `prompt` of every line of a JSON-lines file, in order."""
+    path = Path(path)
+    if not path.is_file():
+        raise PromptsError(f"prompts file {path} not found (give one with --prompts FILE.jsonl)")
+    prompts = []
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            prompts.append(_prompt_of(line, path, number))
+    if not prompts:
+        raise PromptsError(f"prompts file {path} holds no prompts")
+    return prompts
+
+
+def _prompt_of(line: str, path: Path, number: int) -> str:
+    try:
+        prompt = json.loads(line)["prompt"]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise PromptsError(f'{path}:{number}: expected a JSON object with a "prompt" string ({error})') from error
+    if not isinstance(prompt, str) or not prompt:
+        raise PromptsError(f'{path}:{number}: "prompt" must be a non-empty string')
+    return prompt
