@@ -23,7 +23,7 @@ draft model:
 Exactness is untouched: the target verifies every guess, wherever it came from.
 
 `--draft-ahead on|off|auto` (per request: GenerateRequest.draft_ahead): auto drafts ahead where
-ServiceCosts.draft_ahead_pays (adaptive.py) says the expected hidden time beats the work it wastes.
+ServiceCosts.draft_ahead_pays (costs.py) says the expected hidden time beats the work it wastes.
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ from tokenizers import Tokenizer
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DRAFT_AHEAD_MODES
 from specd.orchestrator.drain import Drain
-from specd.orchestrator.generation import GenerationRequest, Stats
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
+from specd.orchestrator.request import GenerationRequest, Stats
 from specd.orchestrator.worker import Failed, WorkerPool
 from specd.proto.limits import penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2

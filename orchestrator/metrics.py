@@ -13,7 +13,7 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.orchestrator.generation import Delta, Finished
+from specd.orchestrator.request import Delta, Finished
 from specd.orchestrator.worker import Failed
 from specd.proto.metrics import LATENCY_BUCKETS
 

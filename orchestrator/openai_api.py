@@ -23,92 +23,36 @@ speculation off; drafter: model, ngram, suffix or hybrid; draft_ahead: auto, on 
 trace adds each step's draft and verify seconds). Every response (each choice's last chunk, when
 streaming) carries the request's speculation stats in `"specd"`, named as the gRPC Final's
 SpeculationStats (core.stats_dict); with several choices, each choice carries its own.
+
+Here: the routes, their token check, and the server (uvicorn in the orchestrator's event loop). A
+request is read by openai_request.py (field by field) and openai_call.py (against the served model),
+answered by openai_response.py, and streamed by openai_stream.py.
 """
 
 import asyncio
 import hmac
-import json
-import math
 import socket
 import tempfile
-import time
-import uuid
 from contextlib import aclosing, nullcontext, suppress
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2 import TemplateError
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from specd.orchestrator.core import BadRequest, Core, stats_dict
 from specd.orchestrator.drain import DRAINING
-from specd.orchestrator.generation import Delta, Finished
-from specd.orchestrator.openai_request import (
-    CHAT_FIELDS,
-    COMPLETION_FIELDS,
-    UNSUPPORTED,
-    ApiError,
-    chat_message,
-    choices_per_prompt,
-    compile_chat_template,
-    extension,
-    is_int,
-    logprobs_asked,
-    sampling_params,
-    shown,
-    stop_strings,
-    streaming,
-    token_text,
-    typed_field,
-    valid_unicode,
-)
-from specd.orchestrator.openai_response import LogprobsFormat, Scored, prompt_scored
+from specd.orchestrator.openai_call import Call, CallParser
+from specd.orchestrator.openai_request import ApiError
+from specd.orchestrator.openai_response import LogprobsFormat, Refused, Scored, api_error, prompt_scored, usage
+from specd.orchestrator.openai_stream import Stream
+from specd.orchestrator.request import Delta, Finished
 from specd.orchestrator.worker import RETRY_AFTER_S, Failed
 from specd.proto import tracing
-from specd.v1 import specdecode_pb2
 
 API_LABEL = "http"  # the `api` label of this API's requests in the metrics
-COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
-
-STATUS_OF_CODE = {
-    "INVALID_ARGUMENT": 400,
-    "UNAUTHENTICATED": 401,
-    "NOT_FOUND": 404,
-    "RESOURCE_EXHAUSTED": 429,
-    "UNAVAILABLE": 503,
-    "DEADLINE_EXCEEDED": 504,
-}
-
-
-@dataclass
-class Choice:
-    """One choice of a request: a request of its own to the core, and its prompt for `echo`."""
-
-    message: specdecode_pb2.GenerateRequest
-    prompt: int = 0  # which prompt of the request (usage counts each prompt once)
-    echo: str = ""  # the prompt's text, prepended to the choice's text when echoed
-    echo_ids: list[int] = field(default_factory=list)  # its token ids, when echoed with logprobs
-
-
-@dataclass
-class Call:
-    """One parsed HTTP request: what to generate and how to answer."""
-
-    chat: bool
-    choices: list[Choice]  # by OpenAI's index: prompt i, choice j -> i * n + j
-    stream: bool = False
-    include_usage: bool = False
-    trace: bool = False  # add each step's seconds to the stats
-    logprobs: int | None = None  # None: none; else the alternatives asked per position
-    created: int = field(default_factory=lambda: int(time.time()))
-    id: str = ""
-
-    def __post_init__(self):
-        self.id = self.id or f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}"
 
 
 class OpenAiApi:
@@ -117,138 +61,8 @@ class OpenAiApi:
     def __init__(self, core: Core, model_name: str | None = None):
         self.core = core
         self.model_name = model_name or core.model_name
-        config = core.tokenizer_config
-        self.chat_template = compile_chat_template(config.get("chat_template"))
-        self.special_tokens = {name: token_text(config.get(name)) for name in ("bos_token", "eos_token")}
+        self.parser = CallParser(core, self.model_name)
         self.draining = False
-
-    # -- parsing ---------------------------------------------------------------------------
-
-    def parse(self, body, chat: bool) -> Call:
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        valid_unicode(body)
-        body = {name: value for name, value in body.items() if value is not None}  # null = not set
-        allowed = CHAT_FIELDS if chat else COMPLETION_FIELDS
-        for name, value in body.items():
-            if name in UNSUPPORTED:
-                defaults, reason = UNSUPPORTED[name]
-                if value not in defaults:
-                    raise ApiError(400, f"`{name}` = {shown(value)} is not supported: {reason}", name)
-            elif name not in allowed:
-                endpoint = "/v1/chat/completions" if chat else "/v1/completions"
-                raise ApiError(
-                    400, f"unknown field `{name}` for {endpoint}; specd takes {', '.join(sorted(allowed))}", name
-                )
-        typed_field(body, "user", str, "")
-        model = typed_field(body, "model", str, self.model_name)
-        if model != self.model_name:
-            raise ApiError(
-                404,
-                f"the model `{model}` does not exist here; this server serves `{self.model_name}` (GET /v1/models)",
-                "model",
-                "model_not_found",
-            )
-        message = specdecode_pb2.GenerateRequest(ignore_eos=typed_field(body, "ignore_eos", bool, False))
-        prompts = [self.chat_prompt(body.get("messages"))] if chat else self.completion_prompts(body.get("prompt"))
-        n = choices_per_prompt(body, len(prompts))
-        echo = not chat and typed_field(body, "echo", bool, False)
-        logprobs = logprobs_asked(body, chat)
-        message.max_new_tokens = self.max_tokens(body, chat, len(prompts[0]) if chat else 0)  # chat: its ids
-        message.sampling.CopyFrom(sampling_params(body))
-        message.stop.extend(stop_strings(body))
-        k, message.drafter, message.draft_ahead, trace = extension(body, self.core.services_max_k)
-        if k is not None:
-            message.draft_tokens = k
-        if logprobs is not None:
-            message.logprobs, message.top_logprobs, message.prompt_logprobs = True, logprobs, echo
-        choices = [
-            self.choice(message, index, prompt, j, echo) for index, prompt in enumerate(prompts) for j in range(n)
-        ]
-        return Call(chat, choices, *streaming(body), trace=trace, logprobs=logprobs)
-
-    def choice(self, message: specdecode_pb2.GenerateRequest, index: int, prompt, j: int, echo: bool) -> Choice:
-        """Choice j of prompt `index`: with a seed given, its own seed + j (reproducible, and the
-        choices differ); without, the core draws one for each."""
-        own = specdecode_pb2.GenerateRequest()
-        own.CopyFrom(message)
-        if isinstance(prompt, str):
-            own.prompt = prompt  # tokenized by the core, as a gRPC prompt is
-        else:
-            own.prompt_token_ids.extend(prompt)
-        if message.sampling.HasField("seed"):
-            own.sampling.seed = (message.sampling.seed + j) % 2**64
-        choice = Choice(own, index)
-        if echo:
-            ids = (
-                prompt if isinstance(prompt, list) else self.core.tokenizer.encode(prompt, add_special_tokens=False).ids
-            )
-            choice.echo = (
-                prompt if isinstance(prompt, str) else self.core.tokenizer.decode(ids, skip_special_tokens=False)
-            )
-            choice.echo_ids = list(ids) if message.logprobs else []
-        return choice
-
-    def completion_prompts(self, prompt) -> list:
-        """`prompt`: a string, token ids, or a list of several of those (each a prompt of its own)."""
-        if prompt is None:
-            raise ApiError(400, "`prompt` is required", "prompt")
-        several = isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt)
-        prompts = prompt if several else [prompt]
-        return [self.completion_prompt(p, f"prompt[{i}]" if several else "prompt") for i, p in enumerate(prompts)]
-
-    def completion_prompt(self, prompt, where: str):
-        """One prompt: its text, or its token ids checked against the vocabulary."""
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
-            vocab_size = self.core.pair.target_info.vocab_size
-            if max(prompt) >= vocab_size:  # also what a uint32 cannot carry
-                raise ApiError(
-                    400, f"{where} token id {shown(max(prompt))} is outside the vocabulary of {vocab_size}", "prompt"
-                )
-            return prompt
-        if prompt == []:
-            return []  # the core refuses it: the prompt is empty
-        raise ApiError(
-            400, "`prompt` must be a string, a list of token ids (integers >= 0), or a list of those", "prompt"
-        )
-
-    def chat_prompt(self, messages) -> list[int]:
-        """Render the messages with the target's chat template, then tokenize (special tokens included)."""
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "`messages` must be a non-empty list of {role, content} objects", "messages")
-        plain = [chat_message(entry, index) for index, entry in enumerate(messages)]
-        if self.chat_template is None:
-            raise ApiError(400, "the target's tokenizer has no chat template; use /v1/completions", "messages")
-        try:
-            text = self.chat_template.render(
-                messages=plain, add_generation_prompt=True, tools=None, **self.special_tokens
-            )
-        except TemplateError as error:
-            raise ApiError(400, f"the chat template could not render these messages: {error}", "messages") from None
-        return self.core.tokenizer.encode(text, add_special_tokens=False).ids
-
-    def max_tokens(self, body: dict, chat: bool, prompt_tokens: int) -> int:
-        """`max_completion_tokens`, else `max_tokens` (both checked), else OpenAI's default: 16 for
-        completions; for chat, as many as fit."""
-        given = [name for name in ("max_completion_tokens", "max_tokens") if name in body]
-        for name in given:
-            value = body[name]
-            if not is_int(value) or value < 1:
-                raise ApiError(400, f"`{name}` must be an integer >= 1, got {shown(value)}", name)
-            if value > self.core.room:  # also what a uint32 cannot carry
-                raise ApiError(
-                    400,
-                    f"`{name}` = {shown(value)} exceeds the {self.core.room} tokens a session may hold "
-                    "(prompt and output); ask for fewer tokens",
-                    name,
-                )
-        if not given:
-            return COMPLETION_DEFAULT_MAX_TOKENS if not chat else max(1, self.core.room - prompt_tokens)
-        return body[given[0]]
-
-    # -- answering -------------------------------------------------------------------------
 
     def start(self, call: Call) -> list:
         """Validate every choice as every API does, then start generating; the events of each choice."""
@@ -289,7 +103,7 @@ class OpenAiApi:
         async with aclosing(events):
             async for event in events:
                 if isinstance(event, Failed):
-                    raise _failed(event)
+                    raise api_error(event)
                 if isinstance(event, Delta):
                     text += event.text
                     scored.add(event.token_ids, event.logprobs, event.top_logprobs)
@@ -311,96 +125,8 @@ class OpenAiApi:
         return answer, (finished, stats_dict(finished.stats, steps=call.trace))
 
     async def stream(self, call: Call):
-        """Server-sent events; each choice's first event is awaited before the response starts, so
-        an error that ends a request before any output still gets its own HTTP status."""
-        runs = self.start(call)
-        firsts = await asyncio.gather(*(anext(events) for events in runs))
-        failed = next((first for first in firsts if isinstance(first, Failed)), None)
-        if failed:
-            for events in runs:
-                await events.aclose()
-            raise _failed(failed)
-        return StreamingResponse(
-            self._sse(call, list(zip(firsts, runs))),
-            media_type="text/event-stream",
-            headers={"Cache-Control": "no-cache"},
-        )
-
-    async def _sse(self, call: Call, runs: list):
-        """The stream's chunks: per choice (chat: the role,) (the echoed prompt,) text deltas, the
-        finish with its seed and stats; then (usage,) [DONE]. The choices' chunks interleave as they
-        come. A client that leaves cancels every choice: their generation loops stop."""
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, first, events) -> None:
-            event = first
-            async with aclosing(events):
-                while event is not None:
-                    await queue.put((index, event))
-                    event = await anext(events, None)
-            await queue.put((index, None))
-
-        pumps = [asyncio.create_task(pump(index, *run)) for index, run in enumerate(runs)]
-        formats = [LogprobsFormat(self.core.tokenizer, call.chat, call.logprobs or 0) for _ in runs]
-        started, finished, running, failed = set(), {}, len(runs), False
-        try:
-            if call.chat:
-                for index in range(len(runs)):
-                    yield _event(self._chunk(call, index, {"role": "assistant", "content": ""}))
-            while running and not failed:
-                index, event = await queue.get()
-                if event is None:
-                    running -= 1
-                elif isinstance(event, Failed):
-                    yield _event(_failed(event).body())
-                    failed = True  # the others stop too (finally)
-                elif isinstance(event, Delta):
-                    if index not in started:
-                        started.add(index)
-                        chunk = self._echo_chunk(call, index, event, formats[index])
-                        if chunk:
-                            yield _event(chunk)
-                    if event.text or (call.logprobs is not None and event.token_ids):
-                        chunk = self._chunk(call, index, {"content": event.text} if call.chat else event.text)
-                        if call.logprobs is not None:
-                            scored = Scored()
-                            scored.add(event.token_ids, event.logprobs, event.top_logprobs)
-                            chunk["choices"][0]["logprobs"] = formats[index].format(scored)
-                        yield _event(chunk)
-                else:
-                    finished[index] = event
-                    last = self._chunk(call, index, {} if call.chat else "", event.reason)
-                    last["choices"][0]["seed"] = event.seed
-                    last["specd"] = stats_dict(event.stats, steps=call.trace)
-                    yield _event(last)
-            if call.include_usage and not failed:
-                yield _event({**self._chunk(call, 0, None), "choices": [], "usage": usage(call, finished)})
-            yield "data: [DONE]\n\n"
-        finally:
-            for task in pumps:
-                task.cancel()
-            await asyncio.gather(*pumps, return_exceptions=True)
-
-    def _echo_chunk(self, call: Call, index: int, first: Delta, logprobs: LogprobsFormat) -> dict | None:
-        """The echoed prompt of a completion choice, before its first tokens (None: not echoed)."""
-        choice = call.choices[index]
-        if call.chat or not choice.echo:
-            return None
-        chunk = self._chunk(call, index, choice.echo)
-        if call.logprobs is not None:
-            scored = prompt_scored(choice.echo_ids, first.prompt_logprobs, first.prompt_top_logprobs)
-            chunk["choices"][0]["logprobs"] = logprobs.format(scored)
-        return chunk
-
-    def _chunk(self, call: Call, index: int, delta, finish: str | None = None) -> dict:
-        choice = {"index": index, "finish_reason": finish, "logprobs": None, ("delta" if call.chat else "text"): delta}
-        return {
-            "id": call.id,
-            "object": "chat.completion.chunk" if call.chat else "text_completion",
-            "created": call.created,
-            "model": self.model_name,
-            "choices": [choice],
-        }
+        """Server-sent events (openai_stream.py)."""
+        return await Stream(call, self.model_name, self.core.tokenizer).response(self.start(call))
 
     def models(self) -> dict:
         return {
@@ -445,7 +171,7 @@ def create_app(api: OpenAiApi, registry, token: str | None = None) -> FastAPI:
                 body = await request.json()
             except (ValueError, RecursionError) as error:  # RecursionError: nested too deeply
                 raise ApiError(400, f"the request body is not valid JSON: {error}") from None
-            call = api.parse(body, chat)
+            call = api.parser.parse(body, chat)
         except ApiError as error:
             api.core.rejected(API_LABEL, "NOT_FOUND" if error.status == 404 else "INVALID_ARGUMENT")
             raise
@@ -553,43 +279,3 @@ class _InLoopServer(uvicorn.Server):
 
     def capture_signals(self):
         return nullcontext()
-
-
-# -- translation helpers -------------------------------------------------------------------------
-
-
-def usage(call: Call, finished: dict[int, Finished]) -> dict:
-    """Over the choices (index -> its Finished): each prompt's tokens once, as OpenAI and vLLM count
-    them, and every choice's output."""
-    prompts = {call.choices[index].prompt: done.prompt_tokens for index, done in finished.items()}
-    prompt_tokens = sum(prompts.values())
-    completion_tokens = sum(done.completion_tokens for done in finished.values())
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-
-
-def _failed(failed: Failed) -> ApiError:
-    if failed.retry_after_s is not None:
-        return Refused(f"{failed.code}: {failed.message}", failed.code, failed.retry_after_s)
-    return ApiError(STATUS_OF_CODE.get(failed.code, 500), f"{failed.code}: {failed.message}", code=failed.code)
-
-
-class Refused(ApiError):
-    """A request refused for load (429) or while draining (503), with `Retry-After`: the whole seconds
-    after which a retry may find room (worker.py RETRY_AFTER_S), as OpenAI's SDK reads it."""
-
-    def __init__(self, message: str, code: str, retry_after_s: float):
-        super().__init__(STATUS_OF_CODE.get(code, 429), message, code=code)
-        self.retry_after_s = retry_after_s
-
-    def response(self) -> JSONResponse:
-        response = super().response()
-        response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
-        return response
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

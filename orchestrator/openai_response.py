@@ -1,5 +1,5 @@
-"""Shaping OpenAI answers: a choice's text and log-probabilities, as /v1/completions and
-/v1/chat/completions spell them (and vLLM serves them).
+"""Shaping OpenAI answers: a choice's log-probabilities, the usage, and the error a request ends with,
+as /v1/completions and /v1/chat/completions spell them (and vLLM serves them).
 
 The log-probabilities are the target's own at each position: log_softmax of its raw logits at
 temperature 1, before penalties, bias, temperature and top-p/top-k (vLLM's default raw logprobs).
@@ -7,13 +7,30 @@ Completions (`logprobs: N`, 0..5): `{"tokens", "token_logprobs", "top_logprobs",
 each top_logprobs entry a {token text: log p} of the N most likely tokens plus the chosen one (as
 OpenAI: up to N + 1); an echoed prompt's first token has null for both. Chat (`logprobs: true`,
 `top_logprobs: N`, 0..20): `{"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}`.
+
+A request that fails answers its gRPC status code's HTTP status (STATUS_OF_CODE), in OpenAI's error
+body; one refused for load or while draining also says when to retry (Retry-After).
 """
 
+import math
 from dataclasses import dataclass, field
 
+from fastapi.responses import JSONResponse
 from tokenizers import Tokenizer
 
-from specd.orchestrator.generation import TopLogprobs
+from specd.orchestrator.openai_call import Call
+from specd.orchestrator.openai_request import ApiError
+from specd.orchestrator.request import Finished, TopLogprobs
+from specd.orchestrator.worker import Failed
+
+STATUS_OF_CODE = {
+    "INVALID_ARGUMENT": 400,
+    "UNAUTHENTICATED": 401,
+    "NOT_FOUND": 404,
+    "RESOURCE_EXHAUSTED": 429,
+    "UNAVAILABLE": 503,
+    "DEADLINE_EXCEEDED": 504,
+}
 
 
 @dataclass
@@ -85,3 +102,37 @@ class LogprobsFormat:
     def _chat_token(self, token_id: int, logprob: float) -> dict:
         text = self.text(token_id)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def usage(call: Call, finished: dict[int, Finished]) -> dict:
+    """Over the choices (index -> its Finished): each prompt's tokens once, as OpenAI and vLLM count
+    them, and every choice's output."""
+    prompts = {call.choices[index].prompt: done.prompt_tokens for index, done in finished.items()}
+    prompt_tokens = sum(prompts.values())
+    completion_tokens = sum(done.completion_tokens for done in finished.values())
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def api_error(failed: Failed) -> ApiError:
+    """The HTTP error of a request that failed (a Failed event)."""
+    if failed.retry_after_s is not None:
+        return Refused(f"{failed.code}: {failed.message}", failed.code, failed.retry_after_s)
+    return ApiError(STATUS_OF_CODE.get(failed.code, 500), f"{failed.code}: {failed.message}", code=failed.code)
+
+
+class Refused(ApiError):
+    """A request refused for load (429) or while draining (503), with `Retry-After`: the whole seconds
+    after which a retry may find room (worker.py RETRY_AFTER_S), as OpenAI's SDK reads it."""
+
+    def __init__(self, message: str, code: str, retry_after_s: float):
+        super().__init__(STATUS_OF_CODE.get(code, 429), message, code=code)
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        response = super().response()
+        response.headers["Retry-After"] = str(max(1, math.ceil(self.retry_after_s)))
+        return response

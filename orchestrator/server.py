@@ -14,11 +14,11 @@ from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD
 from specd.orchestrator.core import BadRequest, Core, stats_proto
 from specd.orchestrator.drain import DEFAULT_DRAIN_SECONDS
 from specd.orchestrator.faults import FaultPolicy
-from specd.orchestrator.generation import Delta, Finished
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
+from specd.orchestrator.request import Delta, Finished
 from specd.orchestrator.worker import Failed, WorkerPool
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.metrics import start_exporter

@@ -23,7 +23,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from specd.orchestrator.adaptive import PassCost
+from specd.orchestrator.costs import PassCost
 from specd.orchestrator.faults import Backoff, FaultPolicy, ServiceFailed
 from specd.proto.contract import (
     HELD_FINGERPRINT_KEY,

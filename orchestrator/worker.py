@@ -19,11 +19,12 @@ import grpc
 import ray
 from ray.exceptions import RayActorError
 
-from specd.orchestrator.adaptive import ServiceCosts
 from specd.orchestrator.ahead import share_cores
+from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
-from specd.orchestrator.generation import Generation, GenerationRequest
+from specd.orchestrator.generation import Generation
 from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.orchestrator.request import GenerationRequest
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
@@ -62,7 +63,7 @@ class GenerationWorker:
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
         self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
-        self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (adaptive.py)
+        self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (costs.py)
         self.recent_outputs = RecentOutputs()  # one per worker: its latest outputs, for the suffix drafter
         self.pair = None
         self.connecting = asyncio.Lock()

@@ -238,6 +238,34 @@ async def test_what_outlasts_the_drain_ends_unavailable_with_a_clear_message(sta
     assert await stack.sessions_end() == (0, 0)  # the cut requests released their sessions
 
 
+async def test_specd_generate_against_a_draining_server_prints_the_completion_and_exits_0(stack):
+    """The drain begins while `specd generate --server` runs its request: that request finishes, and
+    the target-only run the command then starts to measure the speed-up is refused (UNAVAILABLE).
+    The completion and its stats still print, the refusal is one warning line, and the exit is 0."""
+    stack.slow.delay = 0.2  # each target call: the request is still running when the drain begins
+    greedy = specdecode_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=8, draft_tokens=0)
+    expected = "".join([reply.delta.text async for reply in stack.client.Generate(greedy)])
+    drain = stack.orchestrator.core.drain
+    command = ["generate", PROMPT, "--server", f"127.0.0.1:{stack.orchestrator.port}", "--max-new-tokens", "8"]
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "specd.cli", *command, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    output = asyncio.create_task(process.communicate())
+    async with asyncio.timeout(60):
+        while not drain.in_flight:  # the command's request has started
+            assert not output.done(), (await output)[1].decode()[-3000:]
+            await asyncio.sleep(0.01)
+    draining = asyncio.create_task(drain.drain(60))  # as SIGTERM starts it; the server stays up, refusing
+    stdout, stderr = (part.decode() for part in await asyncio.wait_for(output, 120))
+    assert (await draining) == (1, 0)  # the request in flight finished, none was cut
+    assert process.returncode == 0, stderr[-3000:]
+    assert stdout == expected + "\n"  # the whole completion (greedy: the target's own text)
+    warnings = [line for line in stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "UNAVAILABLE" in warnings[0] and "draining" in warnings[0], stderr
+    assert "acceptance rate" in stderr and "tokens/s" in stderr  # the stats table
+    assert "speed-up over target-only" not in stderr and "Traceback" not in stderr
+
+
 async def test_a_draining_service_serves_the_sessions_it_holds_and_opens_no_new_ones(tiny_services):
     """The model service's side: the orchestrator's requests in flight keep their sessions served
     (Decode, Verify, Propose, Release), so they can finish; a new session is refused at once."""
