@@ -30,7 +30,7 @@ def add_quantize_flag(parser: argparse.ArgumentParser, flag: str, role: str) -> 
         default="auto",
         help=f"weight quantization of the {role} (default auto: "
         + (
-            "int4 on a CPU, none on a GPU: measured faster at a small cost in acceptance, README)"
+            "int4 on a CPU, none on a GPU: measured faster at a small cost in acceptance: docs/performance/avx2.md)"
             if role == "draft"
             else "none; int8/int4 make a CPU target faster but change its output)"
         ),

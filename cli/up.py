@@ -101,7 +101,7 @@ def add_parser(verbs) -> None:
         default=None,
         metavar="N",
         help="the draft's torch threads (default: --threads, else a quarter of the cores, at least 1, "
-        "when both services compute on the CPU: README `specd up`)",
+        "when both services compute on the CPU: docs/deploying/one-machine.md)",
     )
     parser.add_argument(
         "--target-threads",
@@ -293,8 +293,8 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
 def service_threads(args: argparse.Namespace) -> dict[str, int | None]:
     """Torch threads of the draft and the target that `specd up` runs here: --draft-threads and
     --target-threads, else --threads, else their share of this machine's cores for each one that
-    computes on the CPU (`share_cores`: the target all of them, the draft a quarter; README
-    `specd up`). None: the service's own default (all cores), for a service on a GPU."""
+    computes on the CPU (`share_cores`: the target all of them, the draft a quarter;
+    docs/deploying/one-machine.md). None: the service's own default (all cores), for a service on a GPU."""
     from specd.deploy.local import share_cores, usable_cores
 
     given = {role: getattr(args, f"{role}_threads") or args.threads for role in ("draft", "target")}

@@ -222,7 +222,7 @@ class LocalStack:
 
 # ---------------------------------------------------------------- sharing the cores of one machine
 
-# Set in both model services by `specd up` (issue 21, README `specd up`): an OpenMP thread that has
+# Set in both model services by `specd up` (issue 21, docs/deploying/one-machine.md): an OpenMP thread that has
 # done its part of an operation sleeps instead of spinning (libgomp, torch's OpenMP on Linux, spins
 # for ~300,000 iterations by default), so a service that waits for its next call leaves the cores
 # to the one that computes instead of burning them. Not for ggml's threads, which meet at a barrier
@@ -241,7 +241,7 @@ def usable_cores() -> int:
 def share_cores(cores: int, on_cpu: Iterable[str] = ("draft", "target")) -> dict[str, int]:
     """Torch threads for each model service in `on_cpu` (those that compute on the CPU) sharing `cores`.
 
-    The rule (measured on 2 cores, README `specd up`): the target takes every core, since it runs
+    The rule (measured on 2 cores: docs/performance/under-load.md): the target takes every core, since it runs
     on every step and with one stream the two services take turns (the target alone is 1.5x faster
     on 2 threads than on 1); the draft, smaller, takes a quarter of them, at least one, so that
     where several streams make its passes overlap the target's the two add up to the cores plus

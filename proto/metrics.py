@@ -2,7 +2,7 @@
 
 Each server owns its registry (tests run several servers in one process), and each process
 serves it on its own HTTP port (`--metrics-port`). The model services' metrics are in
-serving/metrics.py, the orchestrator's in orchestrator/metrics.py; the README has
+serving/metrics.py, the orchestrator's in orchestrator/metrics.py; docs/operating/observability.md has
 the table of all of them.
 """
 

@@ -134,7 +134,7 @@ async def main(args) -> dict:
     prompts = prompts[: args.limit] if args.limit else prompts
     threads = usable_cores()
     log_dir = Path(tempfile.mkdtemp(prefix="bench-llama-"))
-    shared = share_cores(threads)  # as `specd up` shares this machine's cores (README `specd up`)
+    shared = share_cores(threads)  # as `specd up` shares this machine's cores (docs/deploying/one-machine.md)
     stack = LocalStack(
         StackConfig(
             draft_engine="llama.cpp",

@@ -12,8 +12,8 @@
 # the real pair's.
 #
 # Environment: any Python with a CUDA torch. Where specd is not installed (the lent GPU machine),
-# it runs from this checkout; wheels in .whl/ (transformers, grpcio, ... at specd's pins: see
-# "gpu check" in README.md) are installed to a temporary folder first. Folders it reads:
+# it runs from this checkout; wheels in .whl/ (transformers, grpcio, ... at specd's pins: listed in
+# scripts/gpu_send_pair.sh) are installed to a temporary folder first. Folders it reads:
 # .gpu/tokenizer, .gpu/target, .gpu/draft (tokenizer files and the pair's config.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
