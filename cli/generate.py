@@ -89,6 +89,7 @@ async def _generate(args, graphs: dict[str, str] | None) -> dict:
             target_cuda_graphs=graphs["target"],
             draft_engine=args.draft_engine,
             target_engine=args.engine,
+            extra_service_flags=["--max-cached-tokens", str(_cached_tokens(args))],
         )
         stack = await LocalStack(config).start()
         address = stack.address
@@ -97,6 +98,14 @@ async def _generate(args, graphs: dict[str, str] | None) -> dict:
     finally:
         if stack:
             stack.stop()
+
+
+def _cached_tokens(args) -> int:
+    """The KV budget of an embedded stack's services: its requests run one at a time, so room for one
+    is enough. A llama.cpp service reserves its whole budget at start (131,072 tokens by default: 3.7 GB
+    for the target), which made `scripts/run.sh` peak at 6 GB; 16,384 tokens hold the default request
+    many times over; a longer prompt gets room too (a character is at most 4 tokens: one per UTF-8 byte)."""
+    return max(16_384, 4 * len(args.prompt) + args.max_new_tokens + 1_024)
 
 
 async def _run_requests(args, address: str) -> dict:

@@ -26,7 +26,7 @@ COPY cli ./cli
 RUN pip install --no-cache-dir --extra-index-url "$TORCH_INDEX" \
         ./proto ./model ./serving ./draft_service ./target_service ./orchestrator ./deploy ./bench ./cli \
         "ray[default]==2.60.0" \
-    && if [ "$FETCH_MODELS" = 1 ]; then specd models fetch; fi
+    && if [ "$FETCH_MODELS" = 1 ]; then specd models fetch --engine transformers; fi
 
 # SpecDecode gRPC, OpenAI-compatible HTTP, orchestrator metrics, draft and target gRPC, Ray GCS, dashboard
 EXPOSE 50051 8000 9451 50061 50062 6379 8265

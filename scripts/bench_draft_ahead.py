@@ -269,10 +269,10 @@ def tiny_models() -> dict[str, str]:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from specd.model.store import resolve_model
+    from specd.model.store import resolve_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="specd-tiny-"))
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("draft"))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer("draft"))
     config = dict(vocab_size=151_936, hidden_size=64, intermediate_size=128, num_hidden_layers=2)
     torch.manual_seed(2)
     model = Qwen2ForCausalLM(Qwen2Config(**config, num_attention_heads=4, num_key_value_heads=2))

@@ -153,9 +153,9 @@ async def main(args) -> dict:
             server.wait()
         from transformers import AutoTokenizer
 
-        from specd.model.store import resolve_model
+        from specd.model.store import resolve_tokenizer
 
-        tokenizer = AutoTokenizer.from_pretrained(resolve_model("target"))
+        tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer("target"))
         encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731
         async with channel(stack.address) as open_channel:
             specd = SpecdSystems(specdecode_pb2_grpc.SpecDecodeStub(open_channel), 600)

@@ -66,7 +66,7 @@ for spec in DEFAULT_PAIR:  # draft, then target: the order gpu_send_pair.sh wrot
     print(spec.role, out, out.stat().st_size, "bytes")
 PY
   for role in draft target; do
-    "$py" -c "from specd.model.fetch import fetch; from specd.model.store import DEFAULT_PAIR as p; fetch([s for s in p if s.role == '$role'], progress=False)" &
+    "$py" -c "from specd.model.fetch import fetch; from specd.model.store import DEFAULT_PAIR as p; fetch([s for s in p if s.role == '$role'], engine='transformers', progress=False)" &
   done
   wait
 fi

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from specd.draft_service.drafter import Drafter
 from specd.draft_service.server import create_draft_server
 from specd.model.loading import load_model
-from specd.model.store import resolve_model
+from specd.model.store import resolve_tokenizer
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.limits import Limits
 from specd.target_service.server import create_target_server
@@ -37,7 +37,7 @@ TINY_CONFIG = dict(
 def make_tiny_model(folder: Path, seed: int, noise: float = 0.0) -> Path:
     """A random tiny Qwen2; with `noise`, the seed's weights plus noise (a draft that half agrees)."""
     torch.manual_seed(seed)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER or resolve_model("draft"))
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER or resolve_tokenizer("draft"))
     model = Qwen2ForCausalLM(Qwen2Config(**TINY_CONFIG, eos_token_id=tokenizer.eos_token_id))
     with torch.no_grad():
         for parameter in model.parameters():

@@ -459,7 +459,7 @@ async def test_services_export_calls_sessions_and_batches(tiny_http):
 @pytest.mark.real
 async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_stack):
     """The issue's acceptance test: the official client against the real pair, greedy == gRPC."""
-    from specd.model.store import resolve_model
+    from specd.model.store import resolve_tokenizer
 
     http_api = HttpApi(real_stack.orchestrator.core)
     port = await http_api.start("127.0.0.1", 0)
@@ -474,7 +474,7 @@ async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_sta
         assert completion.model_extra["specd"]["acceptance_rate"] > 0.3
 
         expected, _ = await grpc_generate(
-            real_stack, 24, prompt_token_ids=chat_prompt_ids(resolve_model("target")), ignore_eos=False
+            real_stack, 24, prompt_token_ids=chat_prompt_ids(resolve_tokenizer("target")), ignore_eos=False
         )
         stream = await client(base).chat.completions.create(
             model=model, messages=CHAT, max_tokens=24, temperature=0, stream=True

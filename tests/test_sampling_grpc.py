@@ -38,7 +38,7 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 from specd.model import acceptance
 from specd.model.loading import load_model
 from specd.model.sampling import Sampling, probs_from_logits, sample
-from specd.model.store import resolve_model
+from specd.model.store import resolve_tokenizer
 from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.server import OrchestratorServer
@@ -78,7 +78,7 @@ def make_pair(root: Path) -> dict[str, Path]:
         for parameter in draft.parameters():
             scale = LOGIT_SCALE if parameter is draft.model.norm.weight else 1.0
             parameter.add_(torch.randn_like(parameter) * DRAFT_NOISE * scale)
-    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER or resolve_model("draft"))  # the services describe it
+    tokenizer = AutoTokenizer.from_pretrained(TOKENIZER or resolve_tokenizer("draft"))  # the services describe it
     for role, model in (("draft", draft), ("target", target)):
         model.save_pretrained(root / role)
         tokenizer.save_pretrained(root / role)

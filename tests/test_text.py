@@ -3,7 +3,7 @@
 import pytest
 from tokenizers import Tokenizer
 
-from specd.model.store import resolve_model
+from specd.model.store import resolve_tokenizer
 from specd.orchestrator.text import OutputText
 
 SAMPLES = ["héllo wörld, 日本語のテキスト 🚀🎉 end", "def f(x):\n    return x  # ∑ → ∞", "  leading spaces\tand tabs"]
@@ -11,7 +11,7 @@ SAMPLES = ["héllo wörld, 日本語のテキスト 🚀🎉 end", "def f(x):\n 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_file(f"{resolve_model('draft')}/tokenizer.json")
+    return Tokenizer.from_file(f"{resolve_tokenizer('draft')}/tokenizer.json")
 
 
 @pytest.mark.parametrize("text", SAMPLES)
