@@ -71,7 +71,7 @@ def _cpu_flags() -> set[str]:
 
 def resolve_quantization(role: str, choice: str, device: torch.device | str = "cpu") -> str:
     """`--quantize auto` for a role: int4 weight-only for a CPU draft (measured fastest here at a small
-    cost in acceptance, README), none for a target (it would change the output) or a GPU draft."""
+    cost in acceptance: docs/performance/avx2.md), none for a target (it would change the output) or a GPU draft."""
     if choice != "auto":
         return choice
     return "int4" if role == "draft" and torch.device(device).type == "cpu" else "none"
