@@ -11,6 +11,9 @@ from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 @dataclass
 class Completion:
+    """One Generate call's outcome, as `complete` collects it: the text and token ids streamed, the
+    `Final` message (finish reason, usage, the seed, the speculation stats), and when each delta came."""
+
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     final: specdecode_pb2.Final | None = None
