@@ -22,8 +22,10 @@ step() {
 }
 
 python=${PYTHON:-python3.11}
+fresh=
 if [ ! -x .venv/bin/python ]; then
   step "creating .venv with $python" "$python" -m venv .venv
+  fresh=1
 fi
 .venv/bin/python -m pip install --quiet --upgrade pip
 # torch is pinned exactly in model/pyproject.toml (torch==2.13.0). That pin matches both the CPU wheel
@@ -59,6 +61,8 @@ editable=()
 for component in proto model serving draft_service target_service orchestrator deploy bench cli; do
   editable+=(-e "./$component")
 done
-step "installing specd and its dependencies (the first time: minutes; llama-cpp-python builds from source, \
-~6 min on 2 cores, unless pip's cache has its wheel)" .venv/bin/python -m pip install --quiet "${editable[@]}" -e '.[test]'
+if [ -n "$fresh" ]; then
+  echo "setup: a first install takes minutes: llama-cpp-python builds from source (~6 min on 2 cores) unless pip's cache has its wheel"
+fi
+step "installing specd and its dependencies" .venv/bin/python -m pip install --quiet "${editable[@]}" -e '.[test]'
 echo "specd installed: .venv/bin/specd"
