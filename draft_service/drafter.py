@@ -76,7 +76,7 @@ class Drafter(ModelService):
         proposals = [Proposal([], [], 0) for _ in calls]
         lengths = [call.k for call in calls]  # a call's K, cut where a row would not fit (_guess)
         feed = [call.cursor.tokens for call in calls]
-        with self.engine.passes(session_ids):
+        with self.store.passes(session_ids):
             for step in range(max(lengths)):
                 rows = [Row(session_id, tokens, min(len(tokens), 1)) for session_id, tokens in zip(session_ids, feed)]
                 for index, (call, proposal, logits) in enumerate(zip(calls, proposals, self.store.forward(rows))):

@@ -3,7 +3,7 @@
 An engine owns the KV cache of every session (opaque to its callers, keyed by session id) and
 runs the model over it. It does no bookkeeping: which tokens a session holds, the cursor
 checks and the limits live in model/sessions.py (docs/architecture.md §3), which tells the
-engine to forward, crop and release. Today's implementation: model/transformers_engine.py.
+engine to forward, crop and release. Implementations: model/transformers_engine.py, model/llama_cpp_engine.py.
 """
 
 from contextlib import AbstractContextManager
@@ -38,6 +38,12 @@ class Row:
     keep_logits: int = 0  # logits wanted for the last `keep_logits` of them (0 <= keep <= len(tokens))
 
 
+class Snapshot(Protocol):
+    """An engine's copy of a prefix's KV (opaque to its callers)."""
+
+    nbytes: int  # the memory it takes
+
+
 class Engine(Protocol):
     description: ModelDescription
 
@@ -66,3 +72,16 @@ class Engine(Protocol):
 
     def tokenizer_files(self) -> dict[str, bytes]:
         """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""
+
+    # The prefix store (model/prefix_cache.py). An engine without these three keeps no prefixes.
+
+    def reusable(self, session_id: str) -> int:
+        """How many leading tokens of the session's KV a fresh prefill of the same tokens would
+        compute bit for bit the same: what the prefix store may keep of it."""
+
+    def snapshot(self, session_id: str, length: int) -> Snapshot:
+        """A copy of the KV of the session's first `length` tokens (length <= reusable), owned by the
+        caller: later crops, passes and releases of the session leave it as it is."""
+
+    def restore(self, session_id: str, snapshot: Snapshot, length: int) -> None:
+        """Start the session, which holds nothing, with the first `length` tokens of a snapshot's KV."""

@@ -45,6 +45,7 @@ Not thread-safe: the service's model thread is its only caller.
 import ctypes
 import logging
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import llama_cpp as llama
@@ -56,12 +57,17 @@ from transformers import PreTrainedTokenizerBase
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loading import tokenizer_files, tokenizer_fingerprint
+from specd.model.prefix_cache import BLOCK_TOKENS
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
-BATCH_TOKENS = 512  # tokens per llama_decode call of a row's tokens before those it keeps logits for
+BATCH_TOKENS = 512  # the most tokens one llama_decode call takes
 # (repacked weights, positions one call may score) tried in order: see the module's docstring
 EXACT_SETTINGS = ((True, 3), (False, 7))
 PROBE_TOKENS = 8  # the self-test's context before the positions it scores
+# A row's tokens before those it keeps logits for run in calls cut at every PREFILL_BLOCK-th position
+# of its session, so that a prefix of whole blocks is computed alike wherever its prefill started
+# (`reusable`, the prefix store's blocks). 64-token calls prefill 5 % slower than calls of 512 here.
+PREFILL_BLOCK = BLOCK_TOKENS
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +90,7 @@ class LlamaCppEngine:
         self.tokenizer = tokenizer
         self.sequences: dict[str, int] = {}  # session id -> its seq id
         self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
+        self.canonical: dict[str, int] = {}  # session id -> leading tokens a fresh prefill computes the same (reusable)
         self.free = list(range(sessions - 1, -1, -1))
         for repacked, call_tokens in exact_settings():
             self._load(gguf, repacked, threads, sessions, session_tokens)
@@ -94,8 +101,11 @@ class LlamaCppEngine:
         else:  # no setting scores several positions as decode steps do: one per call always does
             self._load(gguf, False, threads, sessions, session_tokens)
             self.repacked, self.call_tokens = False, 1
+        self.prefixes_exact = self._prefix_exact()
         weights = "repacked" if self.repacked else "plain"
         log.info("%s: %s weights, %d scored positions per llama_decode call (exact)", name, weights, self.call_tokens)
+        if not self.prefixes_exact:
+            log.warning("%s: a restored prefix does not give a fresh prefill's logits here: no prefix reuse", name)
         self.description = ModelDescription(
             name=name,
             vocab_size=self.vocab_size,
@@ -143,6 +153,19 @@ class LlamaCppEngine:
         self.release("probe")
         return exact
 
+    def _prefix_exact(self) -> bool:
+        """Whether a session restored from a prefix's snapshot, then prefilled on, scores bit for bit
+        as a fresh prefill of the same tokens (`reusable`'s premise), on this CPU and these weights."""
+        tokens = [(11 * i + 5) % self.vocab_size for i in range(2 * PREFILL_BLOCK + 3)]
+        fresh = self.forward([Row("probe", tokens, 1)])[0]
+        held = PREFILL_BLOCK  # the first block, of the head's two
+        state = self.snapshot("probe", held)
+        self.release("probe")
+        self.restore("probe", state, held)
+        resumed = self.forward([Row("probe", tokens[held:], 1)])[0]
+        self.release("probe")
+        return held > 0 and torch.equal(fresh, resumed)
+
     def _unload(self) -> None:
         llama.llama_batch_free(self.batch)
         llama.llama_free(self.context)
@@ -168,11 +191,11 @@ class LlamaCppEngine:
         if len(new) > len(self.free):
             raise CapacityExceeded(f"{len(self.sequences)} sessions in the llama.cpp context, room for no more")
         for session_id in new:
-            self.sequences[session_id], self.lengths[session_id] = self.free.pop(), 0
+            self._allocate(session_id)
         starts = [self.lengths[row.session_id] for row in rows]
         out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
         try:
-            for call in _calls(rows, self.call_tokens):
+            for call in _calls(rows, starts, self.call_tokens):
                 self._decode(rows, starts, out, call)
         except BaseException:
             for row, start in zip(rows, starts):
@@ -182,7 +205,13 @@ class LlamaCppEngine:
             raise
         for row, start in zip(rows, starts):
             self.lengths[row.session_id] = start + len(row.tokens)
+            head_end = start + len(row.tokens) - row.keep_logits  # prefilled in calls of one block each (_calls)
+            if self.canonical[row.session_id] == start:
+                self.canonical[row.session_id] = max(start, head_end // PREFILL_BLOCK * PREFILL_BLOCK)
         return [torch.from_numpy(logits) for logits in out]
+
+    def _allocate(self, session_id: str) -> None:
+        self.sequences[session_id], self.lengths[session_id], self.canonical[session_id] = self.free.pop(), 0, 0
 
     def _decode(self, rows: list[Row], starts: list[int], out: list[np.ndarray], call: list[tuple[int, int]]) -> None:
         """One llama_decode of the (row index, offset in its tokens) positions of `call`."""
@@ -216,16 +245,62 @@ class LlamaCppEngine:
         if self.lengths.get(session_id, 0) > length:
             llama.llama_memory_seq_rm(self.memory, self.sequences[session_id], length, -1)
             self.lengths[session_id] = length
+            self.canonical[session_id] = min(self.canonical[session_id], length)
+
+    # -- the prefix store's copies (model/prefix_cache.py) ---------------------------------------
+
+    def reusable(self, session_id: str) -> int:
+        """The session's leading whole blocks that prefill calls computed, from token 0 or from a
+        restored prefix: each such block ran as one llama_decode call of its own tokens after the
+        same KV (`_calls`), exactly as a fresh prefill of the same tokens runs it, so restoring them
+        is bit for bit a fresh prefill. Checked at load (`_prefix_exact`): none where it fails.
+        Tokens a pass kept logits for (decode steps, verifies) never count: they ran through the
+        one-row kernels, which round otherwise than a prefill's matmuls."""
+        return self.canonical.get(session_id, 0) if getattr(self, "prefixes_exact", True) else 0
+
+    def snapshot(self, session_id: str, length: int) -> "SequenceState":
+        """The session's sequence state (its cells' KV, llama_state_seq_get_data) in host memory:
+        one copy of what it holds now, of which the first `length` tokens are kept for reuse."""
+        sequence = self.sequences[session_id]
+        size = llama.llama_state_seq_get_size(self.context, sequence)
+        data = (ctypes.c_uint8 * size)()
+        written = llama.llama_state_seq_get_data(self.context, data, size, sequence)
+        if written == 0:
+            raise RuntimeError(f"llama.cpp could not copy the state of session {session_id!r}")
+        return SequenceState(data, written, length)
+
+    def restore(self, session_id: str, snapshot: "SequenceState", length: int) -> None:
+        """A new sequence for the session, filled from the snapshot and cut to `length` tokens."""
+        if session_id in self.sequences:
+            raise RuntimeError(f"session {session_id!r} already holds KV: restore starts a session")
+        if not self.free:
+            raise CapacityExceeded(f"{len(self.sequences)} sessions in the llama.cpp context, room for no more")
+        self._allocate(session_id)
+        sequence = self.sequences[session_id]
+        if llama.llama_state_seq_set_data(self.context, snapshot.data, snapshot.nbytes, sequence) == 0:
+            self.release(session_id)
+            raise CapacityExceeded(f"no room in the llama.cpp KV stream of session {session_id!r} for its prefix")
+        llama.llama_memory_seq_rm(self.memory, sequence, length, -1)
+        self.lengths[session_id] = self.canonical[session_id] = length
 
     def release(self, session_id: str) -> None:
         sequence = self.sequences.pop(session_id, None)
         if sequence is not None:
             llama.llama_memory_seq_rm(self.memory, sequence, -1, -1)
             self.free.append(sequence)
-            del self.lengths[session_id]
+            del self.lengths[session_id], self.canonical[session_id]
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.tokenizer)
+
+
+@dataclass(frozen=True)
+class SequenceState:
+    """A copy of one sequence's KV in host memory (llama_state_seq_get_data's format)."""
+
+    data: ctypes.Array
+    nbytes: int
+    length: int  # its leading tokens that may be restored
 
 
 def ggml_has_amx() -> bool:
@@ -240,17 +315,17 @@ def exact_settings() -> tuple[tuple[bool, int], ...]:
     return tuple(setting for setting in EXACT_SETTINGS if not (amx and setting[0]))
 
 
-def _calls(rows: list[Row], call_tokens: int) -> list[list[tuple[int, int]]]:
+def _calls(rows: list[Row], starts: list[int], call_tokens: int) -> list[list[tuple[int, int]]]:
     """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
-    before the ones it keeps logits for (a prefill, a catch-up) in calls of BATCH_TOKENS of its own,
-    then the kept positions of every row together in calls of `call_tokens`."""
+    before the ones it keeps logits for (a prefill, a catch-up), in calls of their own cut at every
+    PREFILL_BLOCK-th position of the session, so a block's call is the same whichever position the
+    prefill started from (a restored prefix, token 0); then the kept positions of every row together
+    in calls of `call_tokens`."""
     calls = []
-    for index, row in enumerate(rows):
+    for index, (row, start) in enumerate(zip(rows, starts)):
         head = len(row.tokens) - row.keep_logits
-        calls += [
-            [(index, offset) for offset in range(start, min(start + BATCH_TOKENS, head))]
-            for start in range(0, head, BATCH_TOKENS)
-        ]
+        cuts = [0, *range(PREFILL_BLOCK - start % PREFILL_BLOCK, head, PREFILL_BLOCK), head]
+        calls += [[(index, offset) for offset in range(a, b)] for a, b in zip(cuts, cuts[1:]) if b > a]
     kept = [
         (index, offset)
         for index, row in enumerate(rows)

@@ -10,9 +10,12 @@ from typing import TypeVar
 from specd.model.devices import trim_host_memory
 from specd.model.engine import Engine, Row
 from specd.model.errors import EngineError, InvalidRequest
+from specd.model.prefix_cache import PrefixStats
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, SessionStore
-from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, AUTO_PREFIX_TOKENS, Limits
+
+AUTO_PREFIX_MOST = 16_384  # the prefix store's default budget, in tokens, at most (a quarter of the KV's below it)
 
 
 class ModelService:
@@ -27,6 +30,8 @@ class ModelService:
             limits = replace(limits, max_sessions=engine.description.max_sessions)
         if limits.max_cached_tokens == AUTO_CACHED_TOKENS:  # no --max-cached-tokens: what the device's memory holds
             limits = replace(limits, max_cached_tokens=engine.kv_token_budget() or Limits().max_cached_tokens)
+        if limits.prefix_cache_tokens == AUTO_PREFIX_TOKENS:
+            limits = replace(limits, prefix_cache_tokens=min(AUTO_PREFIX_MOST, limits.max_cached_tokens // 4))
         self.engine = engine
         self.limits = limits
         self.store = SessionStore(engine, limits)
@@ -51,6 +56,10 @@ class ModelService:
         """The last session just ended: give the memory it freed back (model/devices.py)."""
         if ended and not self.store.sessions:
             trim_host_memory()
+
+    def prefix_stats(self) -> PrefixStats:
+        """What the prefix store holds and did (model/prefix_cache.py): Info and the metrics."""
+        return self.store.prefix.stats()
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return self.engine.tokenizer_files()

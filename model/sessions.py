@@ -5,16 +5,23 @@ engine (model/engine.py) the second, and the store keeps them in step. It never 
 is committed: every call names the prefix to keep (`start` + fingerprint); the store checks it
 and the limits before anything changes, truncates to it (that *is* the rollback) and appends
 what the caller sends. It also ends sessions: Release and idle eviction.
+
+Below the contract sits the prefix store (model/prefix_cache.py): a session opened from token 0
+starts from the longest prefix of its tokens the store holds under its salt, and the row of its
+first pass skips those tokens (`forward`); after that pass the store keeps what the engine says a
+fresh prefill would reproduce. Callers see the same session either way.
 Not thread-safe: the service that owns a store calls it from one worker thread.
 """
 
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
+from specd.model.prefix_cache import PrefixCache
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 
@@ -25,6 +32,7 @@ class Cursor:
     start: int  # leading tokens to keep
     fingerprint: int  # fingerprint of those tokens
     tokens: list[int]  # tokens to append
+    salt: str = ""  # the tenant's cache_salt: a session opened from token 0 reuses only prefixes kept under it
 
 
 @dataclass
@@ -32,6 +40,11 @@ class Session:
     session_id: str
     tokens: list[int] = field(default_factory=list)  # ids whose KV the engine holds, in order
     last_used: float = field(default_factory=time.monotonic)
+    salt: str = ""  # the cache_salt it was opened with
+    reused: int = 0  # tokens its opening call took from the prefix store
+    skip: int = 0  # leading tokens of its next row already held (restored from the store)
+    opening: bool = False  # its next pass is its first: the store may keep the prefix it computes
+    keep_until: int | None = None  # after that pass: its tokens before those the pass kept logits for
 
 
 class SessionStore:
@@ -39,6 +52,9 @@ class SessionStore:
         self.engine = engine
         self.limits = limits
         self.sessions: dict[str, Session] = {}
+        keeps = hasattr(engine, "snapshot") and limits.prefix_cache_tokens > 0
+        self.prefix = PrefixCache(limits.prefix_cache_tokens if keeps else 0)
+        self.in_block = False  # inside `passes`: the engine may hold the sessions' KV elsewhere until it ends
 
     @property
     def cached_tokens(self) -> int:
@@ -54,12 +70,23 @@ class SessionStore:
             raise CursorMismatch(f"session {cursor.session_id!r} is new", 0, 0)
         if len(self.sessions) >= self.limits.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} live sessions, the limit is {self.limits.max_sessions}")
-        self.sessions[cursor.session_id] = Session(cursor.session_id)
+        self.sessions[cursor.session_id] = Session(cursor.session_id, salt=cursor.salt, opening=True)
         try:
-            return self.sync(cursor, extra_tokens)
+            return self._reuse(self.sync(cursor, extra_tokens), cursor)
         except EngineError:
-            del self.sessions[cursor.session_id]  # a refused call leaves nothing behind
+            self.release(cursor.session_id)  # a refused call leaves nothing behind
             raise
+
+    def _reuse(self, session: Session, cursor: Cursor) -> Session:
+        """Start a new session from the longest prefix of its tokens the store holds (never all of
+        them: the call computes at least its last token)."""
+        entry, length = self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)
+        if entry is not None:
+            self.engine.restore(session.session_id, entry.snapshot, length)
+            session.tokens, session.reused = list(cursor.tokens[:length]), length
+            session.skip = length
+        self.prefix.count(length, len(cursor.tokens))
+        return session
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self.engine.description.vocab_size
@@ -114,11 +141,66 @@ class SessionStore:
         self.engine.crop(session.session_id, length)
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
-        """The engine's forward pass (model/engine.py), each row's tokens then recorded as held."""
-        logits = self.engine.forward(rows)
+        """The engine's forward pass (model/engine.py), each row's tokens then recorded as held. A
+        row's leading tokens that its session took from the prefix store are not computed again.
+        When the engine runs out of memory, the prefix store gives its memory back and the pass runs
+        once more: the store never makes a call fail that would have run without it."""
+        rows = [self._unheld(row) for row in rows]
+        try:
+            logits = self.engine.forward(rows)
+        except CapacityExceeded:
+            if not self.prefix.clear():
+                raise
+            logits = self.engine.forward(rows)
         for row in rows:
-            self.sessions[row.session_id].tokens.extend(row.tokens)
+            session = self.sessions[row.session_id]
+            session.tokens.extend(row.tokens)
+            session.skip = 0
+            if session.opening and session.keep_until is None:
+                session.keep_until = len(session.tokens) - row.keep_logits
+        if not self.in_block:
+            self.keep_prefixes([row.session_id for row in rows])
         return logits
+
+    def _unheld(self, row: Row) -> Row:
+        """The row without the tokens its session already holds from the prefix store; where the call
+        wants logits for some of those, the session gives them back and computes them."""
+        session = self.sessions[row.session_id]
+        if not session.skip:
+            return row
+        skip = min(session.skip, len(row.tokens) - row.keep_logits)
+        if skip < session.skip:
+            self.engine.crop(session.session_id, skip)
+            del session.tokens[skip:]
+            self.prefix.count(skip - session.reused, 0)  # fewer hit tokens, as many more computed
+            session.reused = skip
+        return Row(row.session_id, row.tokens[skip:], row.keep_logits)
+
+    @contextmanager
+    def passes(self, session_ids: list[str]):
+        """The engine's block of passes (model/engine.py `passes`); the prefix store takes its copies
+        after the block, where the engine holds each session's KV in its own place again."""
+        self.in_block = True
+        try:
+            with self.engine.passes(session_ids):
+                yield
+        finally:
+            self.in_block = False
+        self.keep_prefixes(session_ids)
+
+    def keep_prefixes(self, session_ids: list[str]) -> None:
+        """After a session's opening pass: keep in the prefix store what a fresh prefill would
+        reproduce of it, in whole blocks, never the positions that pass kept logits for (a verify's
+        draft tokens, a draft's guesses: not committed)."""
+        for session_id in session_ids if self.prefix.enabled else ():
+            session = self.sessions.get(session_id)
+            if session is None or session.keep_until is None:
+                continue  # no opening pass ran
+            end = min(self.engine.reusable(session_id), session.keep_until, len(session.tokens))
+            session.opening, session.keep_until = False, None
+            length = self.prefix.wants(session.salt, session.tokens[:end])
+            if length:
+                self.prefix.insert(session.salt, session.tokens[:length], self.engine.snapshot(session_id, length))
 
     def release(self, session_id: str) -> bool:
         self.engine.release(session_id)

@@ -1,0 +1,169 @@
+"""The prefix store: KV of prompts already computed, kept past their sessions, so that a new session
+(a request, a chat's next turn, a resync's re-prefill) computes only what it does not share.
+
+What it keeps: after a session's opening pass (a prefill: the cursor from token 0) the engine's copy
+of the KV a fresh prefill would reproduce bit for bit (`Engine.reusable`), cut to whole blocks of
+BLOCK_TOKENS. Not the output: a decode step computes a token's KV with other kernels than a prefill
+(one row against many; model/llama_cpp_engine.py), so a chat's next turn recomputes the last answer
+once, inside its own prefill, and that prefill's KV is what the turn after it finds.
+
+How it finds it: vLLM's hash chain over blocks (parent hash + the block's tokens, the tenant's salt
+at the root), an index from each chain hash to the entries that hold it; a lookup walks the new
+prompt's blocks while the chain is known and takes the deepest. An entry is one engine snapshot of
+a prompt's leading blocks (one copy each way: llama.cpp keeps a sequence's KV in a stream of its own,
+which cannot be shared in place), and only leaves are kept: an entry whose blocks another entry of
+the same salt extends is dropped for it (a chat's turn replaces the last turn's).
+
+Bounded: entries are evicted least recently used first under `budget_tokens`; 0 turns the store
+off. It never makes a call fail: the session store empties it before refusing for room.
+Not thread-safe: the model thread is its only caller.
+"""
+
+import hashlib
+import struct
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+# Tokens per block: the unit of a hit. 64: the llama.cpp engine prefills in calls of one block each so
+# that a block computes alike from any start (model/llama_cpp_engine.py `reusable`), and calls of 64
+# rows run as fast as longer ones there; vLLM's blocks are 16 tokens.
+BLOCK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class PrefixStats:
+    """What the store did since the service started, and what it holds now."""
+
+    hit_tokens: int = 0  # prompt tokens new sessions took from the store
+    miss_tokens: int = 0  # prompt tokens new sessions computed (the store on)
+    entries: int = 0
+    blocks: int = 0  # BLOCK_TOKENS-token blocks held, over all entries
+    tokens: int = 0
+    bytes: int = 0  # the snapshots' size
+    evictions: int = 0  # entries evicted for the budget (not those a longer one replaced)
+    budget_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Entry:
+    salt: str
+    tokens: tuple[int, ...]  # a whole number of blocks
+    snapshot: Any  # the engine's copy of their KV (has .nbytes)
+    chain: list[bytes] = field(default_factory=list)  # the chain hash after each block
+
+
+def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) -> list[bytes]:
+    """The hash after each of the first `blocks` blocks: blake2b(parent, block tokens), the salt at the root."""
+    parent, out = hashlib.blake2b(salt.encode(), digest_size=16).digest(), []
+    for index in range(blocks):
+        block = tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS]
+        parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+class PrefixCache:
+    def __init__(self, budget_tokens: int):
+        self.budget_tokens = max(0, budget_tokens)
+        self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
+        self.index: dict[bytes, set[int]] = {}  # chain hash -> ids of the entries holding that prefix
+        self.hit_tokens = self.miss_tokens = self.evictions = 0
+        self.tokens = self.bytes = 0
+        self._next_id = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_tokens >= BLOCK_TOKENS
+
+    def lookup(self, salt: str, tokens: list[int], most: int) -> tuple[Entry | None, int]:
+        """The entry holding the longest whole-block prefix of `tokens` (at most `most` tokens) under
+        this salt, and that length; (None, 0) when none. The entry becomes the most recently used."""
+        if not self.enabled or most < BLOCK_TOKENS:
+            return None, 0
+        found, length = None, 0
+        for depth, digest in enumerate(chain_hashes(salt, tokens, most // BLOCK_TOKENS), 1):
+            holders = self.index.get(digest)
+            if not holders:
+                break
+            found, length = max(holders), depth * BLOCK_TOKENS  # the newest holder
+        if found is None:
+            return None, 0
+        entry = self.entries[found]
+        if entry.tokens[:length] != tuple(tokens[:length]):  # a hash collision: never serve other tokens
+            return None, 0
+        self.entries.move_to_end(found)
+        return entry, length
+
+    def count(self, hit: int, prompt: int) -> None:
+        """A new session's prompt: `hit` of its `prompt` tokens came from the store."""
+        if self.enabled:
+            self.hit_tokens += hit
+            self.miss_tokens += prompt - hit
+
+    def wants(self, salt: str, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` an insert would add (whole blocks), 0 when the store
+        already holds them all or keeps nothing."""
+        length = len(tokens) // BLOCK_TOKENS * BLOCK_TOKENS
+        if not self.enabled or length == 0 or length > self.budget_tokens:
+            return 0
+        _, held = self.lookup(salt, tokens, length)
+        return 0 if held >= length else length
+
+    def insert(self, salt: str, tokens: list[int], snapshot: Any) -> None:
+        """Keep `snapshot`, the KV of `tokens` (whole blocks), dropping the entries it extends, then
+        evicting the least recently used until the budget holds."""
+        blocks = len(tokens) // BLOCK_TOKENS
+        entry = Entry(salt, tuple(tokens[: blocks * BLOCK_TOKENS]), snapshot, chain_hashes(salt, tokens, blocks))
+        for entry_id in list(self.index.get(entry.chain[-1], ())) if entry.chain else []:
+            if len(self.entries[entry_id].tokens) <= len(entry.tokens):
+                self._drop(entry_id)  # the same prefix, now held by this one
+        for digest in entry.chain[:-1]:
+            for entry_id in [i for i in self.index.get(digest, ()) if len(self.entries[i].tokens) <= len(entry.tokens)]:
+                if self.entries[entry_id].chain[-1] == digest:
+                    self._drop(entry_id)  # a shorter prefix of this one: a leaf no more
+        entry_id, self._next_id = self._next_id, self._next_id + 1
+        self.entries[entry_id] = entry
+        for digest in entry.chain:
+            self.index.setdefault(digest, set()).add(entry_id)
+        self.tokens += len(entry.tokens)
+        self.bytes += snapshot.nbytes
+        while self.tokens > self.budget_tokens and self.entries:
+            self.evict_one()
+
+    def evict_one(self) -> bool:
+        """Drop the least recently used entry; False when there is none."""
+        if not self.entries:
+            return False
+        self._drop(next(iter(self.entries)))
+        self.evictions += 1
+        return True
+
+    def clear(self) -> int:
+        """Drop every entry (memory is needed for sessions); returns how many."""
+        dropped = len(self.entries)
+        while self.evict_one():
+            pass
+        return dropped
+
+    def _drop(self, entry_id: int) -> None:
+        entry = self.entries.pop(entry_id)
+        for digest in entry.chain:
+            holders = self.index[digest]
+            holders.discard(entry_id)
+            if not holders:
+                del self.index[digest]
+        self.tokens -= len(entry.tokens)
+        self.bytes -= entry.snapshot.nbytes
+
+    def stats(self) -> PrefixStats:
+        return PrefixStats(
+            self.hit_tokens,
+            self.miss_tokens,
+            len(self.entries),
+            self.tokens // BLOCK_TOKENS,
+            self.tokens,
+            self.bytes,
+            self.evictions,
+            self.budget_tokens,
+        )

@@ -1,0 +1,158 @@
+"""The prefix store (model/prefix_cache.py) and the session store's use of it (model/sessions.py):
+whole-block hits under a salt, leaves only, least recently used out under the budget; a session
+started from a kept prefix scores bit for bit as a fresh prefill on the llama.cpp engine."""
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from specd.model.engine import Row
+from specd.model.loading import load_engine
+from specd.model.prefix_cache import BLOCK_TOKENS, PrefixCache
+from specd.model.sessions import Cursor, SessionStore
+from specd.proto.limits import Limits
+
+B = BLOCK_TOKENS
+
+
+@dataclass
+class Copy:
+    nbytes: int
+
+
+def tokens(seed: int, n: int) -> list[int]:
+    return [(seed * 7919 + 13 * i) % 5000 + 100 for i in range(n)]
+
+
+def test_a_lookup_finds_the_longest_whole_block_prefix_under_its_salt_only():
+    cache = PrefixCache(budget_tokens=10 * B)
+    prompt = tokens(1, 3 * B + 5)
+    cache.insert("", prompt[: 3 * B], Copy(100))
+    entry, length = cache.lookup("", prompt[: 2 * B + 7] + [1, 2, 3], most=10 * B)
+    assert entry is not None and length == 2 * B  # whole blocks only
+    assert cache.lookup("", prompt, most=3 * B - 1)[1] == 2 * B  # never past `most`
+    assert cache.lookup("tenant", prompt, most=10 * B) == (None, 0)  # another salt sees nothing
+    assert cache.lookup("", tokens(2, 3 * B), most=10 * B) == (None, 0)
+    other = prompt[:B] + tokens(3, 2 * B)  # the first block shared, the second not
+    assert cache.lookup("", other, most=10 * B)[1] == B
+
+
+def test_only_leaves_are_kept_a_longer_prefix_replaces_the_one_it_extends():
+    cache = PrefixCache(budget_tokens=10 * B)
+    chat = tokens(4, 5 * B)
+    cache.insert("", chat[: 2 * B], Copy(10))
+    assert cache.wants("", chat[: 2 * B]) == 0  # held already
+    assert cache.wants("", chat[: 4 * B + 3]) == 4 * B
+    cache.insert("", chat[: 4 * B], Copy(20))
+    stats = cache.stats()
+    assert (stats.entries, stats.blocks, stats.tokens, stats.bytes, stats.evictions) == (1, 4, 4 * B, 20, 0)
+    assert cache.lookup("", chat, most=5 * B)[1] == 4 * B
+    cache.insert("x", chat[: 2 * B], Copy(10))  # the same tokens under another salt: an entry of its own
+    assert cache.stats().entries == 2
+
+
+def test_the_least_recently_used_entry_goes_first_and_the_budget_holds():
+    cache = PrefixCache(budget_tokens=2 * B)
+    first, second, third = tokens(5, B), tokens(6, B), tokens(7, B)
+    cache.insert("", first, Copy(1))
+    cache.insert("", second, Copy(1))
+    assert cache.lookup("", first + [9], most=B)[1] == B  # first is now the most recently used
+    cache.insert("", third, Copy(1))
+    assert cache.lookup("", second, most=B) == (None, 0)
+    assert cache.lookup("", first, most=B)[1] == cache.lookup("", third, most=B)[1] == B
+    assert cache.stats().evictions == 1 and cache.tokens <= cache.budget_tokens
+    assert cache.clear() == 2 and cache.stats().tokens == cache.stats().bytes == 0
+
+
+def test_a_budget_under_one_block_turns_the_store_off():
+    cache = PrefixCache(budget_tokens=0)
+    assert not cache.enabled and cache.wants("", tokens(8, 4 * B)) == 0
+    assert cache.lookup("", tokens(8, 4 * B), most=4 * B) == (None, 0)
+
+
+# -- the session store over the llama.cpp engine (the tiny float32 GGUF) -------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_gguf):
+    limits = Limits(max_sessions=8, max_session_tokens=1024, max_cached_tokens=8 * 1024)
+    return load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", limits=limits)
+
+
+def store(engine, budget: int) -> SessionStore:
+    return SessionStore(engine, Limits(max_sessions=8, max_session_tokens=1024, prefix_cache_tokens=budget))
+
+
+def opening(store: SessionStore, session_id: str, prompt: list[int], salt: str = "") -> torch.Tensor:
+    """A request's first call: a cursor from token 0 carrying the whole prompt, logits of its last."""
+    store.sync(Cursor(session_id, 0, 0, prompt, salt))
+    return store.forward([Row(session_id, prompt, 1)])[0]
+
+
+def test_the_engine_checks_at_load_that_a_restored_prefix_is_exact(llama):
+    assert llama.prefixes_exact
+
+
+def test_a_session_from_a_kept_prefix_scores_bit_for_bit_as_a_fresh_prefill(llama):
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    system = tokens(9, 3 * B + 10)
+    opening(cached, "first", system + tokens(10, 20))
+    assert cached.sessions["first"].reused == 0 and cached.prefix.stats().tokens == 3 * B
+    cached.release("first")
+    for turn, tail in enumerate([tokens(11, 30), tokens(12, B + 3), tokens(13, 1)]):
+        prompt = system + tail
+        logits = opening(cached, f"hit{turn}", prompt)
+        assert cached.sessions[f"hit{turn}"].reused == 3 * B
+        assert torch.equal(logits, opening(fresh, f"fresh{turn}", prompt))
+        steps = [[5], [6, 7, 8]]  # then decode and verify after it, as a request would
+        for step in steps:
+            ahead = cached.forward([Row(f"hit{turn}", step, len(step))])[0]
+            assert torch.equal(ahead, fresh.forward([Row(f"fresh{turn}", step, len(step))])[0])
+        cached.release(f"hit{turn}")
+        fresh.release(f"fresh{turn}")
+    stats = cached.prefix.stats()
+    assert stats.hit_tokens == 3 * 3 * B and stats.miss_tokens > 0
+
+
+def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
+    cached = store(llama, 4096)
+    prompt = tokens(14, 2 * B + 9)
+    opening(cached, "a1", prompt, salt="tenant-a")
+    opening(cached, "b", prompt, salt="tenant-b")
+    assert cached.sessions["b"].reused == 0  # never a block of tenant a's
+    opening(cached, "a2", prompt, salt="tenant-a")
+    assert cached.sessions["a2"].reused == 2 * B  # the same salt shares
+    opening(cached, "none", prompt)
+    assert cached.sessions["none"].reused == 0  # no salt: the shared pool, which holds nothing yet
+    for session_id in list(cached.sessions):
+        cached.release(session_id)
+
+
+def test_a_call_that_wants_logits_for_the_kept_prefix_computes_them(llama):
+    """Prompt log-probabilities keep a row of logits per prompt token: the store gives the prefix back."""
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    prompt = tokens(15, 2 * B + 4)
+    opening(cached, "seed", prompt)
+    cached.sync(Cursor("all", 0, 0, prompt))
+    assert cached.sessions["all"].reused == 2 * B
+    every = cached.forward([Row("all", prompt, len(prompt))])[0]
+    fresh.sync(Cursor("all", 0, 0, prompt))
+    assert torch.equal(every, fresh.forward([Row("all", prompt, len(prompt))])[0])
+    assert cached.sessions["all"].reused == 0 and len(cached.sessions["all"].tokens) == len(prompt)
+    for session_id in ("seed", "all"):
+        cached.release(session_id)
+    fresh.release("all")
+
+
+def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
+    cached = store(llama, 4 * 2 * B)  # holds four prompts of two blocks
+    for index in range(16):
+        opening(cached, f"c{index}", tokens(100 + index, 2 * B + 5))
+        cached.release(f"c{index}")
+        assert cached.prefix.tokens <= cached.prefix.budget_tokens
+    stats = cached.prefix.stats()
+    assert stats.entries == 4 and stats.evictions == 12 and stats.hit_tokens == 0
+    opening(cached, "again", tokens(115, 2 * B + 5))  # the last one is still held
+    assert cached.sessions["again"].reused == 2 * B
+    cached.release("again")
