@@ -61,7 +61,24 @@ async def _stream(stub, request, timeout: float, result: RequestResult) -> None:
         return
     result.completion_tokens = final.usage.completion_tokens or sum(result.delta_tokens)
     result.prompt_tokens = final.usage.prompt_tokens or None
+    result.cached_prompt_tokens = cached_prompt_tokens(final)
     result.stats = final.stats
+
+
+def cached_prompt_tokens(final) -> int | None:
+    """The prompt tokens the server served from its prefix cache: `cached_prompt_tokens` of the Final's
+    stats (or its usage, or the Final itself); None where this proto has no such field, or leaves it unset."""
+    for message in (final.stats, final.usage, final):
+        value = getattr(message, "cached_prompt_tokens", None)
+        if value is None:
+            continue
+        try:
+            if not message.HasField("cached_prompt_tokens"):  # an `optional` field the server left unset
+                return None
+        except ValueError:  # a plain proto3 scalar: no presence, its value is the answer
+            pass
+        return int(value)
+    return None
 
 
 class GrpcTarget:

@@ -15,6 +15,9 @@ per request:
   on the wire);
 - completion and prompt tokens: the stream's `usage` where the server sends it, else the chunks
   with text counted (and no prompt count);
+- the prompt tokens served from the server's prefix cache: `usage.prompt_tokens_details.cached_tokens`
+  (vLLM, llama-server, specd), else llama-server's `timings.cache_n` on the last chunk; None where
+  neither comes (llama-server's `tokens_cached` counts the whole slot, output included: not used);
 - errors: the HTTP status (`HTTP_503`), or the openai package's exception name
   (`APIConnectionError`, `APITimeoutError`, ...); a stream without a finish reason is
   `NO_FINISH_REASON`.
@@ -104,6 +107,7 @@ class Streamed:
     text: str = ""
     completion_tokens: int = 0  # usage's where the server sent it, else the chunks with text
     prompt_tokens: int | None = None  # usage's, None where the server sent none
+    cached_prompt_tokens: int | None = None  # of those, served from the server's prefix cache (None: not said)
     finish_reason: str | None = None
 
 
@@ -131,11 +135,12 @@ async def stream_completion(
         timeout=timeout,
         **options,
     )
-    usage = None
+    usage = timings = None
     async with stream:
         async for chunk in stream:
             now = time.perf_counter()
             usage = chunk.usage or usage
+            timings = getattr(chunk, "timings", None) or timings  # llama-server's, beside the usage
             for choice in chunk.choices[:1]:  # one choice asked for
                 if choice.text:
                     streamed.chunk_times.append(now)
@@ -144,7 +149,19 @@ async def stream_completion(
     streamed.ended = time.perf_counter()
     streamed.completion_tokens = usage.completion_tokens if usage else len(streamed.chunk_times)
     streamed.prompt_tokens = usage.prompt_tokens if usage else None
+    streamed.cached_prompt_tokens = cached_tokens(usage, timings)
     return streamed
+
+
+def cached_tokens(usage, timings) -> int | None:
+    """The prompt tokens a server says it served from its cache: usage.prompt_tokens_details.cached_tokens,
+    else llama-server's timings.cache_n; None where the stream said neither."""
+    details = getattr(usage, "prompt_tokens_details", None)
+    if getattr(details, "cached_tokens", None) is not None:
+        return int(details.cached_tokens)
+    if isinstance(timings, dict) and isinstance(timings.get("cache_n"), int):
+        return timings["cache_n"]
+    return None
 
 
 def error_name(error: Exception) -> str:
@@ -207,6 +224,7 @@ class OpenAiTarget:
             result.delta_tokens = [1] * len(streamed.chunk_times)  # per chunk: vLLM's ITL (module docstring)
             result.completion_tokens = streamed.completion_tokens
             result.prompt_tokens = streamed.prompt_tokens
+            result.cached_prompt_tokens = streamed.cached_prompt_tokens
             result.text = streamed.text
             if streamed.finish_reason is None:
                 result.error = "NO_FINISH_REASON"

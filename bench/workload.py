@@ -51,6 +51,7 @@ class RequestResult:
     index: int = 0  # the request's number in its run (its prompt and seed)
     text: str = ""  # the completion's text
     prompt_tokens: int | None = None  # as the server counted them (None: not reported)
+    cached_prompt_tokens: int | None = None  # of those, served from the server's prefix cache (None: not said)
 
     @property
     def ok(self) -> bool:

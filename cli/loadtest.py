@@ -19,6 +19,16 @@ throughput run (the JSON keeps every run). It prints both side by side (tokens/s
 their ratios speculative / off, mean K, share of steps with speculation off, target rows
 per pass) and --plot draws them together. The report records the CPU it ran on.
 
+--chat runs a multi-turn chat workload instead (bench/chat.py; default file bench/chat.jsonl, 16
+ShareGPT-style conversations of 6 human turns): --conversations N of --turns T turns, each turn the
+whole history (the answers the server gave included) plus the next human message, as one Qwen2.5
+chat-format text prompt; one --concurrency level C of conversations at once. Per target and turn
+number: TTFT p50/p90, tokens/s, prompt tokens served from the server's prefix cache and the hit rate
+over turns 2..T; the JSON keeps every turn's output, so a run with a cache and one without compare.
+
+  specd loadtest --server cache=localhost:50051 --server nocache=localhost:50052 \\
+      --openai llama=http://localhost:8080 --chat --conversations 4 --turns 6 --concurrency 4 \\
+      --max-new-tokens 32 --json chat.json --plot chat.png
   specd loadtest --server localhost:50051 --concurrency 1,2,4,8,16 --compare --repeats 3 \\
       --prompts bench/prose.jsonl --json compare.json --plot compare.png
   specd loadtest --server specd=localhost:50051 --openai vllm=http://gpu-box:8000 \\
@@ -33,6 +43,10 @@ from pathlib import Path
 from rich.console import Console
 
 from specd.cli.common import UserError, add_drafter_flag, write_report
+
+REQUESTS = 32  # per run
+CONCURRENCY = [1, 2, 4, 8]
+CHAT_CONVERSATIONS, CHAT_TURNS, CHAT_CONCURRENCY = 4, 6, 4  # --chat's defaults: issue 38's run
 
 
 def add_parser(verbs) -> None:
@@ -71,9 +85,10 @@ def add_parser(verbs) -> None:
     parser.add_argument(
         "--concurrency",
         type=_int_list,
-        default=[1, 2, 4, 8],
+        default=None,
         metavar="C1,C2,...",
-        help="closed loop: workers per run, each sends its next request when the last ends (default 1,2,4,8)",
+        help="closed loop: workers per run, each sends its next request when the last ends (default 1,2,4,8; "
+        f"--chat: one level, conversations at once, default {CHAT_CONCURRENCY})",
     )
     parser.add_argument(
         "--rate",
@@ -82,7 +97,7 @@ def add_parser(verbs) -> None:
         metavar="R[,R2,...]",
         help="open loop instead: Poisson arrivals at R requests/s (seeded)",
     )
-    parser.add_argument("--requests", type=int, default=32, help="requests per run (default 32)")
+    parser.add_argument("--requests", type=int, default=None, help=f"requests per run (default {REQUESTS})")
     parser.add_argument(
         "--prompts",
         type=Path,
@@ -90,6 +105,29 @@ def add_parser(verbs) -> None:
         metavar="FILE.jsonl",
         help='one {"prompt": ...} per line, used in turn (default: bench/prompts.jsonl; '
         "bench/prose.jsonl: LLMPerf-style prose)",
+    )
+    parser.add_argument(
+        "--chat",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="FILE.jsonl",
+        help="the multi-turn chat workload instead of single prompts: ShareGPT-style conversations, human turns "
+        "only (no FILE: bench/chat.jsonl)",
+    )
+    parser.add_argument(
+        "--conversations",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"with --chat: the file's first N conversations (default {CHAT_CONVERSATIONS})",
+    )
+    parser.add_argument(
+        "--turns",
+        type=int,
+        default=None,
+        metavar="T",
+        help=f"with --chat: the first T human turns of each (default {CHAT_TURNS})",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -147,6 +185,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
 
     parser = parser or argparse.ArgumentParser(prog="specd loadtest")
     _check_targets(args, parser)
+    if args.chat is not None:
+        return run_chat(args, parser)
+    _check_single(args, parser)
+    args.requests = REQUESTS if args.requests is None else args.requests
+    args.concurrency = CONCURRENCY if args.concurrency is None else args.concurrency
     _check_compare(args, parser)
     _check(args)
     settings = _settings(args, loadtest)
@@ -178,9 +221,57 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
     return 1 if all(r["completed"] == 0 for r in report["runs"]) else 0
 
 
-def _settings(args, loadtest):
+def run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`specd loadtest --chat`: the multi-turn chat workload (bench/chat.py) against every target in turn."""
+    from specd.bench import chat, chat_report, loadtest
+    from specd.bench.output import Progress, print_tables
+
+    refused = {
+        "--rate": args.rate,
+        "--compare": args.compare,
+        "--repeats": args.repeats != 1,
+        "--requests": args.requests is not None,
+        "--prompts": args.prompts is not None,
+    }
+    for flag, given in refused.items():
+        if given:
+            parser.error(f"{flag} does not apply to --chat (its requests are its conversations' turns)")
+    concurrency = args.concurrency or [CHAT_CONCURRENCY]
+    if len(concurrency) != 1:
+        parser.error("--chat runs one --concurrency level: a second would find the first one's prompts cached")
+    conversations, turns = args.conversations or CHAT_CONVERSATIONS, args.turns or CHAT_TURNS
+    if min(conversations, turns, concurrency[0], args.max_new_tokens) < 1 or args.timeout <= 0:
+        raise UserError("--conversations, --turns, --concurrency and --max-new-tokens must be >= 1, --timeout > 0")
+    path = Path(args.chat) if args.chat else chat.DEFAULT_CHAT  # `--chat` alone: the shipped file
     try:
-        prompts = loadtest.load_prompts(args.prompts or loadtest.DEFAULT_PROMPTS)
+        chosen = chat.pick_conversations(chat.load_conversations(path), conversations, turns)
+    except chat.ChatError as error:
+        raise UserError(str(error)) from None
+    settings = _settings(args, loadtest, prompts=[])
+    targets = _targets(args, loadtest)
+    console = Console(stderr=True)
+    with Progress(console) as progress:
+        try:
+            report = asyncio.run(
+                chat.run_chat(settings, chosen, turns, concurrency[0], targets, progress.task, args.warmup, str(path))
+            )
+        except _target_errors(targets) as error:
+            raise UserError(str(error)) from None
+    print_tables(console, chat_report.chat_summary_table(report), chat_report.chat_turn_table(report))
+    write_report(console, report, args.json, args.plot, chat_report.save_chat_plot)
+    return 1 if all(run["completed"] == 0 for run in report["runs"]) else 0
+
+
+def _check_single(args, parser: argparse.ArgumentParser) -> None:
+    """--conversations and --turns go with --chat."""
+    for flag, value in (("--conversations", args.conversations), ("--turns", args.turns)):
+        if value is not None:
+            parser.error(f"{flag} goes with --chat")
+
+
+def _settings(args, loadtest, prompts: list[str] | None = None):
+    try:
+        prompts = loadtest.load_prompts(args.prompts or loadtest.DEFAULT_PROMPTS) if prompts is None else prompts
     except loadtest.PromptsError as error:
         raise UserError(str(error)) from error
     servers = [_named(value)[1] for kind, value in args.targets if kind == "grpc"]
