@@ -200,7 +200,11 @@ class SessionStore:
             session.opening, session.keep_until = False, None
             length = self.prefix.wants(session.salt, session.tokens[:end])
             if length:
-                self.prefix.insert(session.salt, session.tokens[:length], self.engine.snapshot(session_id, length))
+                try:
+                    copy = self.engine.snapshot(session_id, length)
+                except CapacityExceeded:  # no memory for the copy: the call that ran keeps its result
+                    continue
+                self.prefix.insert(session.salt, session.tokens[:length], copy)
 
     def release(self, session_id: str) -> bool:
         self.engine.release(session_id)

@@ -88,6 +88,15 @@ class StaticSlots:
         self.sessions[row], self.lengths[row] = None, 0
         return session_id, DynamicCache(ddp_cache_data=layers) if length else DynamicCache()
 
+    def copy(self, session_id: str, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A copy of the first `length` tokens of the session's row, keys and values
+        [layers, kv heads, length, head dim], on the device: one strided copy each, all layers.
+        The session stays where it is."""
+        row = self.sessions.index(session_id)
+        if length > self.lengths[row]:
+            raise ValueError(f"session {session_id!r} holds {self.lengths[row]} tokens, not {length}")
+        return self.keys[:, row, :, :length].clone(), self.values[:, row, :, :length].clone()
+
     def move(self, source: int, target: int) -> None:
         """Move a session to a free row: one strided copy each for keys and values, all layers."""
         length = self.lengths[source]

@@ -6,10 +6,13 @@ cache when the pass, or the `passes` block, ends. With `graphs` (a CUDA device),
 eight sessions run in StaticSlots (model/static_slot.py) instead, through CUDA graphs: those
 sessions stay in their rows between steps, and go back to a cache of their own when others need
 the rows or they join a larger batch. Everything stays on the device; logits come back there too.
+The prefix store's copies (`snapshot`, `restore`: model/prefix_cache.py) are KV tensors on the
+device too: a copy from wherever the session sits, and a restored session starts in a cache of its own.
 Not thread-safe: the service's model thread is its only caller.
 """
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -54,10 +57,8 @@ class TransformersEngine:
 
     def kv_token_budget(self) -> int | None:
         """Cached tokens the device's free memory holds; None on a CPU."""
-        config = self.loaded.model.config
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * self.loaded.dtype.itemsize
-        return kv_token_budget(self.device, per_token)
+        layers, heads, _, head_dim = self._kv_shape(0)
+        return kv_token_budget(self.device, 2 * layers * heads * head_dim * self.loaded.dtype.itemsize)
 
     @torch.inference_mode()
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
@@ -154,12 +155,98 @@ class TransformersEngine:
             self.slots.forget(session_id)
         self.caches.pop(session_id, None)
 
+    # -- the prefix store's copies (model/prefix_cache.py) ---------------------------------------
+
+    def reusable(self, session_id: str) -> int:
+        """All the session's cached tokens (0 for an unknown session): restored, they give the logits a
+        fresh prefill would, equal in float32 up to the rounding of other batch shapes (each token's KV
+        depends only on the tokens before it; tests/test_prefix_transformers.py)."""
+        if self.batch is not None and session_id in self.batch.caches:
+            return self.batch.positions[list(self.batch.caches).index(session_id)]
+        if self.slots is not None and self.slots.row_of(session_id) is not None:
+            return self.slots.length_of(session_id)
+        cache = self.caches.get(session_id)
+        return cache.get_seq_length() if cache is not None else 0
+
+    @torch.inference_mode()
+    def snapshot(self, session_id: str, length: int) -> "KVSnapshot":
+        """A copy of the KV of the session's first `length` tokens, from wherever it sits (its own
+        cache, or its static row, which it keeps): device memory on a GPU, like the sessions' KV.
+        The copy is the caller's: nothing the session does later changes it. Not inside a block of
+        passes over several sessions (their KV is in the padded batch until it ends)."""
+        self._check_no_block("snapshot")
+        held = self.reusable(session_id)
+        if not 0 <= length <= held:
+            raise ValueError(f"session {session_id!r} holds {held} tokens: no snapshot of {length}")
+        try:
+            if self.slots is not None and self.slots.row_of(session_id) is not None:
+                keys, values = self.slots.copy(session_id, length)
+            elif length:
+                layers = self.caches[session_id].layers
+                keys = torch.stack([layer.keys[0, :, :length] for layer in layers])
+                values = torch.stack([layer.values[0, :, :length] for layer in layers])
+            else:
+                keys = torch.empty(self._kv_shape(0), dtype=self.loaded.dtype, device=self.device)
+                values = keys.clone()
+        except torch.OutOfMemoryError:
+            raise self._out_of_memory(f"a copy of {length} cached tokens") from None
+        return KVSnapshot(keys, values, keys.nbytes + values.nbytes)
+
+    @torch.inference_mode()
+    def restore(self, session_id: str, snapshot: "KVSnapshot", length: int) -> None:
+        """Start the session, which holds nothing, with the first `length` tokens of the snapshot's KV
+        in a cache of its own (a copy: the snapshot stays as it is, for other sessions too). Later
+        passes take it as any cache: alone, in a padded batch, or into a static row. Not inside a
+        block of passes over several sessions."""
+        self._check_no_block("restore")
+        if self.reusable(session_id):
+            raise RuntimeError(f"session {session_id!r} already holds KV: restore starts a session")
+        if not 0 <= length <= snapshot.length:
+            raise ValueError(f"the snapshot holds {snapshot.length} tokens, not {length}")
+        if self.slots is not None and self.slots.row_of(session_id) is not None:
+            self.slots.forget(session_id)  # an empty row: the session starts in a cache of its own
+        try:
+            # DynamicLayer.update concatenates onto an empty tensor: each layer gets a copy of its own.
+            layers = [(keys[None, :, :length], values[None, :, :length]) for keys, values in snapshot.layers()]
+            self.caches[session_id] = DynamicCache(ddp_cache_data=layers) if length else DynamicCache()
+        except torch.OutOfMemoryError:
+            self.caches.pop(session_id, None)
+            raise self._out_of_memory(f"a cached prefix of {length} tokens") from None
+
+    def _kv_shape(self, length: int) -> tuple[int, int, int, int]:
+        config = self.loaded.model.config
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return config.num_hidden_layers, config.num_key_value_heads, length, head_dim
+
+    def _out_of_memory(self, what: str) -> CapacityExceeded:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return CapacityExceeded(f"{self.device} ran out of memory for {what}; every session's cache is as it was")
+
     def _check_no_block(self, what: str) -> None:
         if self.batch is not None:
             raise RuntimeError(f"{what} inside a block of passes: the sessions' KV is in the padded batch")
 
     def tokenizer_files(self) -> dict[str, bytes]:
         return tokenizer_files(self.loaded.tokenizer)
+
+
+@dataclass(frozen=True, eq=False)
+class KVSnapshot:
+    """The KV of a session's first tokens (model/engine.py `Snapshot`), on the engine's device (GPU
+    memory on a GPU): keys and values [layers, kv heads, length, head dim], in the model's dtype."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    nbytes: int  # the memory it takes
+
+    @property
+    def length(self) -> int:
+        return self.keys.shape[2]
+
+    def layers(self):
+        """(keys, values) [kv heads, length, head dim] of each layer, views of the snapshot."""
+        return zip(self.keys.unbind(0), self.values.unbind(0))
 
 
 def _crop(cache: DynamicCache, length: int) -> None:

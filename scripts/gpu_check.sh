@@ -3,6 +3,7 @@
 #   1. the `gpu` tests (tests marked gpu: engines, batched verify, greedy speculation equals
 #      target-only, seeded sampling, q rows, CUDA graphs equal eager in float32, device OOM; the
 #      real pair's greedy speculation with CUDA graphs where the pair is fetched);
+#      SPECD_GPU_TESTS_ONLY=1 stops there;
 #   2. scripts/gpu_bench.py: HF generate and specd target-only and speculative, eager and with
 #      CUDA graphs, on the same GPU; it writes docs/results/gpu_check.json (or $RESULTS/).
 #
@@ -79,7 +80,7 @@ if [ -z "$target" ] && pair=$("$py" -c "from specd.model.store import resolve_mo
   read -r target draft <<<"$pair"
   say "the default pair is fetched: the bench runs it"
 fi
-if [ -z "$target" ] || [ -z "$draft" ]; then
+if { [ -z "$target" ] || [ -z "$draft" ]; } && [ -z "${SPECD_GPU_TESTS_ONLY:-}" ]; then
   say "making the pair's architecture with random weights (bfloat16)"
   "$py" - "$work/models" <<'EOF'
 import shutil, sys
@@ -105,10 +106,15 @@ fi
 say "gpu tests"
 # The tiny test models take the pair's tokenizer: the fetched draft's, else .gpu/tokenizer's files.
 tokenizer=$PWD/.gpu/tokenizer
-[ "$target" != "$work/models/target" ] && tokenizer=$draft
+[ -n "$draft" ] && [ "$draft" != "$work/models/draft" ] && tokenizer=$draft
 tests_status=0
 SPECD_TEST_TOKENIZER=${SPECD_TEST_TOKENIZER:-$tokenizer} "$py" -m pytest -m gpu -q -p no:cacheprovider \
-  --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py tests/test_real_pair.py || tests_status=$?
+  --junitxml "$work/gpu_tests.xml" tests/test_devices.py tests/test_engine.py tests/test_prefix_transformers.py \
+  tests/test_real_pair.py || tests_status=$?
+if [ -n "${SPECD_GPU_TESTS_ONLY:-}" ]; then  # the tests alone (a short lease): no bench
+  say "done: tests exit status $tests_status (SPECD_GPU_TESTS_ONLY: no bench)"
+  exit "$tests_status"
+fi
 
 if "$py" -c "import ray" 2>/dev/null && [ "$target" != "$work/models/target" ]; then
   # Where Ray and the fetched pair are here (an installed GPU node), specd's own bench too, the whole
