@@ -20,7 +20,7 @@ from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.proto import tracing
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
-from specd.proto.limits import AUTO_CACHED_TOKENS, MAX_Q_BYTES, Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, AUTO_PREFIX_TOKENS, MAX_Q_BYTES, Limits
 
 DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds (serving/server.py and orchestrator/drain.py hold the same default)
 
@@ -46,6 +46,7 @@ def add_parser(verbs) -> None:
         add_engine_flag(parser, "--engine", role)
         add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser, role)
+        add_prefix_cache_flag(parser)
         add_server_flags(parser)
         add_tracing_flag(parser)
         add_drain_flag(parser, "the requests in flight keep their sessions served; new sessions are refused")
@@ -193,6 +194,31 @@ def _add_limit_flags(parser, role: str) -> None:
     )
 
 
+def add_prefix_cache_flag(parser) -> None:
+    """--prefix-cache-tokens: a model service's (`specd up`: both services') prefix cache budget."""
+    parser.add_argument(
+        "--prefix-cache-tokens",
+        type=_prefix_tokens_flag,
+        default=AUTO_PREFIX_TOKENS,
+        metavar="N",
+        help="tokens of prompt KV kept past their sessions for reuse (prefix cache); "
+        "default: min(16384, max-cached-tokens / 4); 0: off",
+    )
+
+
+def _prefix_tokens_flag(value: str) -> int:
+    """--prefix-cache-tokens: a number of tokens >= 0 (or `auto`, the default)."""
+    if value.strip().lower() == "auto":
+        return AUTO_PREFIX_TOKENS
+    try:
+        tokens = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens (0: off), got {value!r}") from None
+    if tokens < 0:
+        raise argparse.ArgumentTypeError(f"must be a number of tokens >= 0 (0: off), got {tokens}")
+    return tokens
+
+
 def _q_bytes_flag(value: str) -> int:
     """--max-q-bytes: 1..MAX_Q_BYTES (the rows must fit in the gRPC messages that carry them)."""
     try:
@@ -277,6 +303,7 @@ def limits_from_args(args) -> Limits:
         max_batch_tokens=args.max_batch_tokens,
         batch_wait_ms=args.batch_wait_ms,
         max_q_bytes=getattr(args, "max_q_bytes", Limits().max_q_bytes),  # a draft's only
+        prefix_cache_tokens=args.prefix_cache_tokens,
     )
 
 

@@ -22,10 +22,12 @@ from specd.cli.serve import (
     _add_orchestrator_limit_flags,
     add_draft_ahead_flag,
     add_drain_flag,
+    add_prefix_cache_flag,
     add_tracing_flag,
     limits_from_args,
 )
 from specd.proto.auth import ClientSecurity, add_client_flags, add_server_flags, server_security_from_args
+from specd.proto.limits import AUTO_PREFIX_TOKENS
 
 
 def add_parser(verbs) -> None:
@@ -113,6 +115,7 @@ def add_parser(verbs) -> None:
     add_stack_device_flags(parser)
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
+    add_prefix_cache_flag(parser)  # both services', here and on a cluster
     add_tracing_flag(parser)  # passed to all three processes (every actor, on a cluster)
     add_drain_flag(parser, "passed to all three processes of a stack on this machine")
     add_cluster_security_and_limit_flags(parser)
@@ -273,6 +276,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_ahead=args.draft_ahead,
             otlp_endpoint=args.otlp_endpoint,
             drain_seconds=args.drain_seconds,
+            prefix_cache_tokens=None if args.prefix_cache_tokens == AUTO_PREFIX_TOKENS else args.prefix_cache_tokens,
         )
     )
     try:

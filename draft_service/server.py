@@ -3,7 +3,7 @@
 from collections.abc import Callable
 
 from specd.draft_service.drafter import Drafter, ProposeCall
-from specd.serving.messages import cursor_from_proto, q_row_to_proto, sampling_from_proto
+from specd.serving.messages import cursor_from_proto, parsed, q_row_to_proto, sampling_from_proto
 from specd.serving.server import ModelServer
 from specd.serving.thread import ModelThread
 from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
@@ -23,12 +23,13 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
         return common_pb2.TokenizerResponse(files=files)
 
     async def Prefill(self, request, context):
-        cached = await self.thread.call(context, Drafter.prefill, cursor_from_proto(request.cursor))
+        cursor = await parsed(context, cursor_from_proto, request.cursor)
+        cached = await self.thread.call(context, Drafter.prefill, cursor)
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Propose(self, request, context):
-        cursor, sampling = cursor_from_proto(request.cursor), sampling_from_proto(request.sampling)
-        call = ProposeCall(cursor, request.num_draft_tokens, sampling)
+        cursor = await parsed(context, cursor_from_proto, request.cursor)
+        call = ProposeCall(cursor, request.num_draft_tokens, sampling_from_proto(request.sampling))
         proposal = await self.thread.batch(context, Drafter.propose_batch, call)
         return draft_pb2.ProposeResponse(
             draft_tokens=proposal.draft_tokens,

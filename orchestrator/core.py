@@ -24,7 +24,7 @@ from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.request import GenerationRequest, Stats
 from specd.orchestrator.worker import Failed, WorkerPool
-from specd.proto.limits import penalty_problem, q_draft_tokens
+from specd.proto.limits import MAX_CACHE_SALT_CHARS, penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 
 INFO_TIMEOUT_S = 2.0  # a service's Info is answered on its event loop, never behind a model pass
@@ -188,6 +188,11 @@ class Core:
                 f"drafter {drafter!r} guesses with the draft model, and this server runs without a draft "
                 f"service: ask for {' or '.join(LOOKUP_ONLY)} (lookups over the text, no draft model)"
             )
+        if len(message.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise BadRequest(
+                f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(message.cache_salt)}",
+                "cache_salt",
+            )
         draft_ahead = message.draft_ahead or self.draft_ahead
         if draft_ahead not in DRAFT_AHEAD_MODES:
             raise BadRequest(f"draft_ahead {message.draft_ahead!r} is not one of {', '.join(DRAFT_AHEAD_MODES)}")
@@ -218,6 +223,7 @@ class Core:
             prompt_logprobs=message.logprobs and message.prompt_logprobs,
             draft_ahead=draft_ahead,
             max_propose_tokens=propose_limit,
+            cache_salt=message.cache_salt,
         )
 
 

@@ -73,8 +73,9 @@ class Generation:
             raise ValueError(f"drafter {request.drafter!r} needs a draft service, and there is none (core.py)")
         session_id = request.session_id or uuid.uuid4().hex
         self.draft_gate = draft_gate or DraftGate(policy)  # shared by a worker's requests
-        self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, required=False)
-        self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy)
+        salt = request.cache_salt  # the services' prefix caches: this tenant's prefixes only
+        self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, False, salt)
+        self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy, salt=salt)
         self.sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p,
@@ -160,7 +161,9 @@ class Generation:
         self.stats.total_seconds = seconds
         self.stats.completion_tokens = self.generated
         self.stats.resyncs = self.draft.resyncs + self.target.resyncs
-        return Finished(reason, len(self.request.prompt_ids), self.generated, self.stats, self.request.seed)
+        prompt_tokens = len(self.request.prompt_ids)
+        cached = min(self.target.prefix_cached_tokens or 0, prompt_tokens)  # the prompt's, not a resync's output
+        return Finished(reason, prompt_tokens, self.generated, self.stats, self.request.seed, cached)
 
     def delta(self, text: str, emitted: list[int], verdict) -> Delta:
         """The step's Delta, with the target's log-probabilities of the committed tokens when asked."""

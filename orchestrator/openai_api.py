@@ -17,12 +17,14 @@ a fresh one (every choice reports its `seed`). `logprobs` (and `echo`) are the t
 400 naming the field, as do fields OpenAI does not define; null means "not set". So do a lone
 surrogate in any string (valid JSON, but no Unicode), a value no GenerateRequest field carries,
 and a chat role other than system, user, assistant and developer (rendered as system). Extensions:
-`top_k`, `ignore_eos` (as in vLLM) and
+`top_k`, `ignore_eos`, `cache_salt` (as in vLLM: the tenant's prefix-cache salt) and
 `"specd": {"draft_tokens": K, "drafter": "ngram", "draft_ahead": "on", "trace": true}` (K = 0 turns
 speculation off; drafter: model, ngram, suffix or hybrid; draft_ahead: auto, on or off, ahead.py;
 trace adds each step's draft and verify seconds). Every response (each choice's last chunk, when
 streaming) carries the request's speculation stats in `"specd"`, named as the gRPC Final's
-SpeculationStats (core.stats_dict); with several choices, each choice carries its own.
+SpeculationStats (core.stats_dict); with several choices, each choice carries its own. `usage`
+counts each prompt once, with `prompt_tokens_details.cached_tokens`: the prompt tokens the target
+took from its prefix cache.
 
 Here: the routes, their token check, and the server (uvicorn in the orchestrator's event loop). A
 request is read by openai_request.py (field by field) and openai_call.py (against the served model),

@@ -101,7 +101,10 @@ class CallParser:
                 "model",
                 "model_not_found",
             )
-        message = specdecode_pb2.GenerateRequest(ignore_eos=typed_field(body, "ignore_eos", bool, False))
+        message = specdecode_pb2.GenerateRequest(
+            ignore_eos=typed_field(body, "ignore_eos", bool, False),
+            cache_salt=typed_field(body, "cache_salt", str, ""),  # its length: the core's check
+        )
         prompts = [self.chat_prompt(body.get("messages"))] if chat else self.completion_prompts(body.get("prompt"))
         n = choices_per_prompt(body, len(prompts))
         echo = not chat and typed_field(body, "echo", bool, False)

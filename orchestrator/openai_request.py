@@ -33,6 +33,7 @@ COMMON_FIELDS = {
     "n",
     "logprobs",
     "specd",
+    "cache_salt",  # vLLM's: the tenant's prefix-cache salt (GenerateRequest.cache_salt)
 }
 COMPLETION_FIELDS = COMMON_FIELDS | {"prompt", "echo"}
 CHAT_FIELDS = COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}

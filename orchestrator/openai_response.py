@@ -106,14 +106,20 @@ class LogprobsFormat:
 
 def usage(call: Call, finished: dict[int, Finished]) -> dict:
     """Over the choices (index -> its Finished): each prompt's tokens once, as OpenAI and vLLM count
-    them, and every choice's output."""
+    them, and every choice's output. `prompt_tokens_details.cached_tokens`: of the prompt tokens, those
+    the target took from its prefix cache (each prompt once too: the most any of its choices took)."""
     prompts = {call.choices[index].prompt: done.prompt_tokens for index, done in finished.items()}
+    cached: dict[int, int] = {}
+    for index, done in finished.items():
+        prompt = call.choices[index].prompt
+        cached[prompt] = max(cached.get(prompt, 0), done.cached_prompt_tokens)
     prompt_tokens = sum(prompts.values())
     completion_tokens = sum(done.completion_tokens for done in finished.values())
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
     }
 
 

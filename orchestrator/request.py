@@ -35,6 +35,7 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # with logprobs: those of the prompt's tokens after its first too (first Delta)
     draft_ahead: str = DEFAULT_DRAFT_AHEAD  # "on", "off" or "auto": draft the next step during the verify (ahead.py)
     max_propose_tokens: int = 0  # the most guesses one Propose may ask for (the draft's limits); 0: the K bound
+    cache_salt: str = ""  # the tenant's: every cursor carries it, so the services reuse only its prefixes
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -57,6 +58,7 @@ class Finished:
     completion_tokens: int
     stats: "Stats"
     seed: int = 0  # the seed the request sampled with (its own, or the one drawn for it)
+    cached_prompt_tokens: int = 0  # of prompt_tokens, those the target took from its prefix cache
 
 
 @dataclass

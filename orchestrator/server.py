@@ -71,7 +71,11 @@ def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
     return specdecode_pb2.GenerateResponse(
         final=specdecode_pb2.Final(
             finish_reason=event.reason,
-            usage=specdecode_pb2.Usage(prompt_tokens=event.prompt_tokens, completion_tokens=event.completion_tokens),
+            usage=specdecode_pb2.Usage(
+                prompt_tokens=event.prompt_tokens,
+                completion_tokens=event.completion_tokens,
+                cached_prompt_tokens=event.cached_prompt_tokens,
+            ),
             stats=stats_proto(event.stats),
             seed=event.seed,
         )

@@ -56,9 +56,11 @@ class RemoteSession:
         name: str = "service",
         policy: FaultPolicy = FaultPolicy(),
         required: bool = True,
+        salt: str = "",
     ):
         self.stub = stub  # DraftServiceStub or TargetServiceStub
         self.session_id = session_id
+        self.salt = salt  # the request's cache_salt: every cursor carries it (the service's prefix cache)
         self.seconds_left = seconds_left  # of the request's deadline (None: no deadline)
         self.name = name  # "draft" or "target", for messages
         self.policy = policy
@@ -67,6 +69,9 @@ class RemoteSession:
         self.opened = False  # a call that may have opened it was sent: Release at the end
         self.resyncs = 0
         self.last_pass: PassCost | None = None  # the batched pass that served the last call, as it said
+        # Of the tokens of the first call that opened the session (a cursor from token 0, the prompt's
+        # prefill), those the service took from its prefix cache, as it said; None: no such reply yet
+        self.prefix_cached_tokens: int | None = None
 
     def timeout(self, cap: float | None = None) -> float:
         """Timeout of one call: min(seconds left of the request's deadline, the per-call cap)."""
@@ -82,6 +87,7 @@ class RemoteSession:
             start=start,
             fingerprint=fingerprint(committed[:start]),
             tokens=committed[start:],
+            cache_salt=self.salt,
         )
 
     def behind(self, committed: list[int]) -> int:
@@ -161,7 +167,9 @@ class RemoteSession:
 
     async def _open(self, committed: list[int]) -> None:
         tokens = committed[:-1]
-        cursor = common_pb2.SessionCursor(session_id=self.session_id, start=0, fingerprint=0, tokens=tokens)
+        cursor = common_pb2.SessionCursor(
+            session_id=self.session_id, start=0, fingerprint=0, tokens=tokens, cache_salt=self.salt
+        )
         self.opened = True  # before the call: a reply lost after the service opened it still gets a Release
         reply = await self.stub.Prefill(common_pb2.PrefillRequest(cursor=cursor), timeout=self.timeout())
         self._record(tokens, reply.cached_tokens)
@@ -176,7 +184,10 @@ class RemoteSession:
                 try:
                     if self.held is None:  # new, restarted or evicted: the call from token 0 is its prefill
                         self.held, self.opened = [], True  # opened before the call: a lost reply still gets a Release
-                    reply, seconds, self.last_pass = await _served(send(self.cursor(committed)))
+                    cursor = self.cursor(committed)
+                    reply, seconds, self.last_pass = await _served(send(cursor))
+                    if cursor.start == 0 and self.prefix_cached_tokens is None:  # the call that opened it
+                        self.prefix_cached_tokens = getattr(reply, "prefix_cached_tokens", 0)
                     return reply, seconds
                 except grpc.aio.AioRpcError as error:
                     if not resyncs_left or error.code() not in RESYNC_CODES:

@@ -32,14 +32,18 @@ def make_request(
     draft_tokens: int | None = None,
     ignore_eos: bool = False,
     drafter: str = "",
+    cache_salt: str = "",
 ) -> specdecode_pb2.GenerateRequest:
-    """`seed` None leaves it unset: the orchestrator draws one and reports it in Final.seed."""
+    """`seed` None leaves it unset: the orchestrator draws one and reports it in Final.seed.
+    `cache_salt`: the tenant's prefix-cache salt (requests share cached prompt prefixes only with
+    requests of the same salt; empty: the unsalted ones)."""
     request = specdecode_pb2.GenerateRequest(
         prompt=prompt,
         max_new_tokens=max_new_tokens,
         stop=list(stop),
         ignore_eos=ignore_eos,
         drafter=drafter,
+        cache_salt=cache_salt,
         sampling=common_pb2.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
     )
     if seed is not None:

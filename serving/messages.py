@@ -11,11 +11,13 @@ import torch
 
 from specd.model.devices import device_memory
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
+from specd.model.prefix_cache import PrefixStats
 from specd.model.sampling import Sampling
 from specd.model.scheduler import Scheduler
 from specd.model.service import ModelService
 from specd.model.sessions import Cursor
 from specd.proto.contract import HELD_FINGERPRINT_KEY, HELD_TOKENS_KEY
+from specd.proto.limits import MAX_CACHE_SALT_CHARS
 from specd.v1 import common_pb2, draft_pb2
 
 STATUS_OF = {
@@ -43,7 +45,12 @@ async def parsed(context: grpc.aio.ServicerContext, parse: Callable, *args):
 
 
 def cursor_from_proto(cursor: common_pb2.SessionCursor) -> Cursor:
-    return Cursor(cursor.session_id, cursor.start, cursor.fingerprint, list(cursor.tokens))
+    """The cursor, its salt checked (InvalidRequest: INVALID_ARGUMENT); run it through `parsed`."""
+    if len(cursor.cache_salt) > MAX_CACHE_SALT_CHARS:
+        raise InvalidRequest(
+            f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(cursor.cache_salt)}"
+        )
+    return Cursor(cursor.session_id, cursor.start, cursor.fingerprint, list(cursor.tokens), salt=cursor.cache_salt)
 
 
 def sampling_from_proto(sampling: common_pb2.SamplingParams) -> Sampling:
@@ -73,6 +80,7 @@ def q_row_from_proto(row: draft_pb2.SparseDistribution) -> tuple[torch.Tensor, t
 
 def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelInfo:
     described, limits = service.engine.description, service.limits
+    prefixes = prefix_stats(service)
     memory = device_memory(torch.device(described.device))  # live: free memory as of this call
     return common_pb2.ModelInfo(
         model=described.name,
@@ -98,4 +106,18 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         device_name=memory.name,
         device_memory_total_bytes=memory.total_bytes,
         device_memory_free_bytes=memory.free_bytes,
+        prefix_cache_budget_tokens=prefixes.budget_tokens,
+        prefix_cache_tokens=prefixes.tokens,
+        prefix_cache_entries=prefixes.entries,
+        prefix_cache_blocks=prefixes.blocks,
+        prefix_cache_bytes=prefixes.bytes,
+        prefix_cache_hit_tokens=prefixes.hit_tokens,
+        prefix_cache_miss_tokens=prefixes.miss_tokens,
+        prefix_cache_evictions=prefixes.evictions,
     )
+
+
+def prefix_stats(service: ModelService | None) -> PrefixStats:
+    """What the service's prefix cache did and holds (all 0 while it loads, or for a service without one)."""
+    stats = getattr(service, "prefix_stats", None)
+    return stats() if stats else PrefixStats()

@@ -1,7 +1,8 @@
 """The model services' Prometheus metrics: calls by method and status, call seconds, and the
 model thread's state, read when Prometheus scrapes (sessions, cached tokens, queue depth, batch
-sizes). A service tells the caller, in trailing metadata, how long it spent on each call, so the
-orchestrator can split a step's wall time into draft, verify and network.
+sizes; the prefix cache's hits, misses and evictions, and what it holds). A service tells the
+caller, in trailing metadata, how long it spent on each call, so the orchestrator can split a
+step's wall time into draft, verify and network.
 """
 
 import time
@@ -9,10 +10,11 @@ from collections.abc import Mapping
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from specd.proto.contract import SERVICE_SECONDS_KEY
 from specd.proto.metrics import LATENCY_BUCKETS
+from specd.serving.messages import prefix_stats
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
@@ -99,6 +101,25 @@ class _ModelThreadCollector:
         )
         yield GaugeMetricFamily("specd_queue_depth", "Calls waiting for the model thread", value=scheduler.queue_depth)
         yield _batch_histogram(_snapshot(scheduler.batch_sizes))
+        yield from _prefix_cache_families(prefix_stats(self.thread.service))
+
+
+def _prefix_cache_families(stats):
+    """The prefix cache (model/prefix_cache.py), read from its stats: what it saved, what it holds."""
+    for name, documentation, value in (
+        ("hit_tokens", "Prompt tokens new sessions took from the prefix cache instead of computing", stats.hit_tokens),
+        ("miss_tokens", "Prompt tokens new sessions computed while the prefix cache was on", stats.miss_tokens),
+        ("evictions", "Prefix-cache entries evicted for its budget or for room", stats.evictions),
+    ):
+        yield CounterMetricFamily(f"specd_prefix_cache_{name}", documentation, value=value)
+    for name, documentation, value in (
+        ("entries", "Entries the prefix cache holds (each a copy of one prompt's leading blocks)", stats.entries),
+        ("blocks", "Blocks (of BLOCK_TOKENS tokens) the prefix cache holds, over its entries", stats.blocks),
+        ("tokens", "Tokens the prefix cache holds, over its entries", stats.tokens),
+        ("bytes", "Memory the prefix cache's copies take, in bytes", stats.bytes),
+        ("budget_tokens", "The prefix cache's budget in tokens (--prefix-cache-tokens; 0: off)", stats.budget_tokens),
+    ):
+        yield GaugeMetricFamily(f"specd_prefix_cache_{name}", documentation, value=value)
 
 
 def _snapshot(counts: Mapping) -> dict:

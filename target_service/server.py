@@ -25,7 +25,8 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         return common_pb2.TokenizerResponse(files=files)
 
     async def Prefill(self, request, context):
-        cached = await self.thread.call(context, Verifier.prefill, cursor_from_proto(request.cursor))
+        cursor = await parsed(context, cursor_from_proto, request.cursor)
+        cached = await self.thread.call(context, Verifier.prefill, cursor)
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Verify(self, request, context):
@@ -37,6 +38,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sessions' calls share its passes and take turns), continuing where the last one left off."""
         call, steps = await parsed(context, _decode_call, request)
         run = await self.thread.batch(context, Verifier.verify_batch, call)
+        reused = _prefix_cached(run)  # the run's first call is the one that may open the session
         stops = set(request.stop_token_ids)
         while len(run.emitted_tokens) < steps and run.emitted_tokens[-1] not in stops:
             call = call.following(run)
@@ -44,7 +46,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
             if isinstance(step, EngineError):  # refused (the session full, or released): the run ends here
                 break
             run = run.then(step)
-        return _verify_response(run)
+        return _verify_response(run, reused)
 
     async def Release(self, request, context):
         released = await self.thread.call(context, Verifier.release, request.session_id)
@@ -81,7 +83,14 @@ def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:
     )
 
 
-def _verify_response(verification: Verification) -> target_pb2.VerifyResponse:
+def _prefix_cached(verification: Verification) -> int:
+    """Of the call's cursor tokens, those the target took from its prefix cache (0 where the
+    verifier does not say)."""
+    return getattr(verification, "prefix_cached_tokens", 0)
+
+
+def _verify_response(verification: Verification, prefix_cached: int | None = None) -> target_pb2.VerifyResponse:
+    """The reply; `prefix_cached`: a Decode run's, from its first call (default: the verification's own)."""
     return target_pb2.VerifyResponse(
         accepted=verification.accepted,
         emitted_tokens=verification.emitted_tokens,
@@ -90,6 +99,7 @@ def _verify_response(verification: Verification) -> target_pb2.VerifyResponse:
         top_logprobs=[_top(row) for row in verification.top_logprobs],
         prompt_logprobs=verification.prompt_logprobs,
         prompt_top_logprobs=[_top(row) for row in verification.prompt_top_logprobs],
+        prefix_cached_tokens=_prefix_cached(verification) if prefix_cached is None else prefix_cached,
     )
 
 

@@ -54,7 +54,7 @@ class Verification:
     prompt_logprobs: list[float] = field(default_factory=list)  # of cursor.tokens[1:], when asked
     prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     fingerprint: int = 0  # of the cached tokens, when the call asked (`follow`)
-    prefix_cached_tokens: int = 0  # of the cursor's tokens, those the prefix store served (the call that opened the session)
+    prefix_cached_tokens: int = 0  # cursor tokens the prefix store served (the call that opened the session)
 
     def then(self, step: "Verification") -> "Verification":
         """This run's tokens followed by a later step's (a Decode run: no guesses, nothing accepted)."""

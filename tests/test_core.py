@@ -81,6 +81,8 @@ def test_prepare_tokenizes_and_fills_in_the_servers_defaults():
     assert fixed.prompt_ids == [7, 8] and fixed.draft_tokens == 0  # asked for: speculation off
     assert fixed.deadline is not None
     assert core(default_draft_tokens=3).prepare(request(), None).draft_tokens == 3
+    assert core().prepare(request(cache_salt="t" * 256), None).cache_salt == "t" * 256  # the longest taken
+    assert core().prepare(request(), None).cache_salt == ""
 
 
 @pytest.mark.parametrize(
@@ -95,6 +97,7 @@ def test_prepare_tokenizes_and_fills_in_the_servers_defaults():
         (request(sampling=common_pb2.SamplingParams(temperature=math.nan)), "temperature"),
         (request(sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
         (request(draft_tokens=7), "K=7 is above the largest the services accept (6)"),
+        (request(cache_salt="s" * 257), "cache_salt must be at most 256 characters, got 257"),
     ],
 )
 def test_prepare_refuses_bad_requests_with_a_message_to_act_on(message, says):
@@ -169,3 +172,21 @@ def test_one_stats_serialisation_for_both_apis():
     assert answer["step_draft_seconds"] == [0.4, 0.0, 0.3] and answer["step_verify_seconds"] == [1.0, 0.9, 1.1]
     assert answer["acceptance_rate"] == pytest.approx(5 / 7)
     assert answer["other_seconds"] == pytest.approx(5 - 0.7 - 3.35)  # total - draft walls - verify walls
+
+
+async def test_the_prompt_tokens_served_from_cache_reach_the_final_usage_and_the_metrics():
+    from specd.orchestrator.server import to_proto
+
+    class CachedPool(FakePool):
+        async def generate(self, request):
+            self.requests.append(request)
+            yield Finished("length", len(request.prompt_ids), 1, Stats(), cached_prompt_tokens=2)
+
+    served = core()
+    served.pool = CachedPool()
+    (finished,) = [event async for event in served.start(request("hello world again"), "api-a")]
+    assert served.pool.requests[0].cache_salt == ""
+    usage = to_proto(finished).final.usage
+    assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 1, 2)
+    assert sample(served.metrics.registry, "specd_prompt_cached_tokens_total") == 2
+    assert sample(served.metrics.registry, "specd_prompt_tokens_total") == 3

@@ -28,6 +28,8 @@ TOPICS = {
     "queue depth": "specd_queue_depth",
     "batch sizes": "rate(specd_batch_size_bucket",
     "sessions": "specd_sessions_open",
+    "prefix cache hit rate": "rate(specd_prefix_cache_miss_tokens_total",
+    "prefix cache bytes": "specd_prefix_cache_bytes",
 }
 
 

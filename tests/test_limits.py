@@ -169,3 +169,45 @@ def test_limits_are_serve_settings():
     )
     assert (args.max_concurrent_requests, args.max_prompt_tokens) == (8, 2048)
     assert (args.propose_timeout, args.call_timeout, args.target_retry) == (2, 60, 15)
+
+
+def test_the_prefix_cache_budget_is_a_serve_and_an_up_setting(monkeypatch, capsys):
+    """--prefix-cache-tokens on `specd serve draft|target` and `specd up` (both services, here and on a
+    cluster): into Limits, and onto the command line of each service a stack here starts."""
+    from specd.cli import build_parser
+    from specd.cli.serve import limits_from_args
+    from specd.cli.up import run_here
+    from specd.deploy import local
+    from specd.proto.limits import AUTO_PREFIX_TOKENS
+
+    parse = build_parser().parse_args
+    for role in ("draft", "target"):
+        assert limits_from_args(parse(["serve", role])).prefix_cache_tokens == AUTO_PREFIX_TOKENS
+        assert limits_from_args(parse(["serve", role, "--prefix-cache-tokens", "0"])).prefix_cache_tokens == 0
+    assert limits_from_args(parse(["serve", "target", "--prefix-cache-tokens", "auto"])).prefix_cache_tokens == -1
+    with pytest.raises(SystemExit):
+        parse(["serve", "target", "--prefix-cache-tokens", "-5"])
+    assert "--prefix-cache-tokens" in capsys.readouterr().err
+    up = parse(["up", "--prefix-cache-tokens", "2048", "--device", "cpu", "--draft-device", "cpu"])
+    assert limits_from_args(up).prefix_cache_tokens == 2048  # what a cluster's service actors get
+    assert "--prefix-cache-tokens" not in up.cluster_only  # a stack here passes it on too
+
+    started = []
+
+    class Started(local.LocalStack):
+        async def start(self):
+            started.extend(self._service(role) for role in ("draft", "target"))
+            raise KeyboardInterrupt  # `specd up` stops here, as on Ctrl-C
+
+        def _spawn(self, name, port, metrics_port, serve_args, env=None):
+            return serve_args
+
+        def stop(self, timeout_s=None):
+            pass
+
+    monkeypatch.setattr(local, "LocalStack", Started)
+    run_here(up, {"draft": "off", "target": "off"})
+    assert [args[args.index("--prefix-cache-tokens") + 1] for args in started] == ["2048", "2048"]
+    started.clear()
+    run_here(parse(["up", "--device", "cpu", "--draft-device", "cpu"]), {"draft": "off", "target": "off"})
+    assert started and not any("--prefix-cache-tokens" in args for args in started)  # the services' own default

@@ -271,6 +271,8 @@ async def test_models_health_and_wrong_model(tiny_http):
         ("completions", {"temperature": 1e39}, "temperature", "float32"),
         ("completions", {"model": 5}, "model", "must be a string"),
         ("completions", {"user": ["me"]}, "user", "must be a string"),
+        ("completions", {"cache_salt": "s" * 257}, "cache_salt", "cache_salt must be at most 256 characters"),
+        ("chat/completions", {"cache_salt": 7}, "cache_salt", "must be a string"),
         ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
         ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
         ("chat/completions", {"n": 17}, "n", "at most 16"),
@@ -653,3 +655,75 @@ async def test_a_refused_request_gets_its_http_status_streamed_or_not(tiny_http)
             await client(base).completions.create(model=model, prompt=PROMPT, max_tokens=2)
     finally:
         pool.max_requests = saved
+
+
+# -- the prefix cache over HTTP, against a fake pool (no models) ---------------------------------------
+
+
+class CachedPool:
+    """A worker pool whose target took `cached` of each prompt's tokens from its prefix cache."""
+
+    def __init__(self, cached: int):
+        self.actors, self.requests, self.cached = ["a"], [], cached
+
+    async def generate(self, request):
+        from specd.orchestrator.request import Delta, Finished, Stats
+
+        self.requests.append(request)
+        yield Delta(" hi", [1])
+        stats = Stats(steps=1, draft_lengths=[0], step_seconds=[(0.0, 0.1, 0.0)])
+        yield Finished("length", len(request.prompt_ids), 1, stats, cached_prompt_tokens=self.cached)
+
+
+@pytest.fixture
+async def cached_http():
+    """An HTTP API over the core of test_core.py (a word-level tokenizer, fake services) and a CachedPool."""
+    from test_core import core
+
+    served = core()
+    served.pool = CachedPool(cached=2)
+    served.pair.tokenizer_config = {"chat_template": "{% for m in messages %}{{ m.content }} {% endfor %}"}
+    http_api = HttpApi(served)
+    port = await http_api.start("127.0.0.1", 0)
+    yield served.pool, f"http://127.0.0.1:{port}"
+    await http_api.stop()
+
+
+async def test_cache_salt_reaches_the_request_and_cached_tokens_the_usage(cached_http):
+    pool, base = cached_http
+    completion = await client(base).completions.create(
+        model="target-model", prompt="hello world again", max_tokens=2, extra_body={"cache_salt": "tenant-a"}
+    )
+    assert pool.requests[-1].cache_salt == "tenant-a"
+    assert completion.usage.prompt_tokens == 3 and completion.usage.prompt_tokens_details.cached_tokens == 2
+    status, text = await http("POST", f"{base}/v1/completions", {"prompt": "hello world", "max_tokens": 2, "n": 3})
+    assert status == 200 and pool.requests[-1].cache_salt == ""  # no salt: the shared prefixes
+    assert json.loads(text)["usage"] == {
+        "prompt_tokens": 2,  # one prompt, counted once over its 3 choices; so are its cached tokens
+        "completion_tokens": 3,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
+    status, text = await http("POST", f"{base}/v1/completions", {"prompt": ["hello", "world again"]})
+    assert status == 200 and json.loads(text)["usage"]["prompt_tokens_details"] == {"cached_tokens": 4}
+
+
+async def test_a_streamed_chat_sends_cached_tokens_in_its_usage_chunk(cached_http):
+    pool, base = cached_http
+    stream = await client(base).chat.completions.create(
+        model="target-model",
+        messages=[{"role": "user", "content": "hello world"}],
+        max_tokens=2,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"cache_salt": "tenant-b"},
+    )
+    chunks = [chunk async for chunk in stream]
+    assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens_details.cached_tokens == 2
+    assert pool.requests[-1].cache_salt == "tenant-b"
+    status, text = await http(
+        "POST",
+        f"{base}/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "cache_salt": "s" * 300},
+    )
+    assert status == 400 and json.loads(text)["error"]["param"] == "cache_salt", text

@@ -138,3 +138,31 @@ async def test_drafting_ahead_on_the_real_pair_keeps_the_output(llama_stack):
     assert run.token_ids == off.token_ids
     stats = run.final.stats
     assert stats.ahead_steps > 0 and stats.ahead_ready > 0 and stats.accepted > 0
+
+
+async def test_a_prompt_served_from_the_prefix_store_gives_the_same_tokens(llama_stack):
+    """The prefix store on the real pair (model/prefix_cache.py): a prompt seen before starts from its
+    kept blocks on both services, under the same cache_salt only, and the greedy output, speculation
+    on or off, is the output of a fresh prefill's; the engine's logits agree bit for bit."""
+    from specd.bench.systems import EDIT_PROMPTS, load_prompts
+
+    prompt = load_prompts(EDIT_PROMPTS)[1][0] + "\n# Also keep a docstring.\n"
+    target = llama_stack.services.target_server.thread.service
+    hits = target.prefix_stats().hit_tokens
+    runs = []
+    for salt, k in [("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 0), ("tenant-a", None)]:
+        message = make_request(prompt, 24, draft_tokens=k, ignore_eos=True)
+        message.cache_salt = salt
+        runs.append(await complete(llama_stack.client, message))
+    assert len({tuple(run.token_ids) for run in runs}) == 1
+    cached = [run.final.usage.cached_prompt_tokens for run in runs]
+    assert cached[0] == cached[1] == 0 and cached[2] >= 64 and cached[3] >= 64, cached  # b never hits a's
+    assert target.prefix_stats().hit_tokens - hits >= cached[2] + cached[3]
+    engine = target.engine
+    tokens = engine.tokenizer(prompt).input_ids
+    fresh = engine.forward([Row("fresh", tokens, 1)])[0]
+    state = engine.snapshot("fresh", engine.reusable("fresh"))
+    engine.restore("resumed", state, 64)
+    assert torch.equal(fresh, engine.forward([Row("resumed", tokens[64:], 1)])[0])
+    for session_id in ("fresh", "resumed"):
+        engine.release(session_id)

@@ -77,6 +77,7 @@ class FakeService:
         self.failures: dict[str, list[grpc.aio.AioRpcError]] = {}  # method -> errors its next calls raise
         self.claim: int | None = None  # answer this cached_tokens once instead of the truth
         self.delays: dict[str, float] = {}  # method -> seconds its calls take
+        self.reused: list[int] = []  # prefix_cached_tokens its next calls that open a session answer
 
     def methods(self) -> list[str]:
         return [method for method, _, _ in self.calls]
@@ -119,6 +120,8 @@ class FakeService:
             return FakeCall(refused, delay=delay)
         if self.claim is not None and method != "Release":
             reply.cached_tokens, self.claim = self.claim, None
+        if method in ("Verify", "Decode") and request.cursor.start == 0 and self.reused:
+            reply.prefix_cached_tokens = self.reused.pop(0)  # this call opened the session: its prefix cache's
         return FakeCall(reply, self.seconds, delay)
 
     def _sync(self, cursor: common_pb2.SessionCursor) -> list[int]:
@@ -456,6 +459,7 @@ async def generate(
     max_new_tokens: int = 30,
     gate: DraftGate | None = None,
     deadline: float | None = None,
+    cache_salt: str = "",
 ):
     request = GenerationRequest(
         prompt_ids=list(PROMPT),
@@ -464,6 +468,7 @@ async def generate(
         session_id=SESSION,
         ignore_eos=True,
         deadline=deadline,
+        cache_salt=cache_salt,
     )
     generation = Generation(request, draft, target, Tokenless(), set(), POLICY, gate)
     tokens, finished = [], None
@@ -567,3 +572,56 @@ async def test_a_draft_that_runs_out_of_the_requests_time_is_not_blamed(deadline
         tokens, _ = await generate(draft, target, 3, gate=gate, deadline=deadline)
         assert tokens == target_only(30) and not gate.is_open()
     assert draft.sessions == {} and target.sessions == {}  # released either way
+
+
+# -- the prefix cache: the tenant's salt out, what the target reused back ----------------------------
+
+
+async def test_every_cursor_carries_the_requests_cache_salt_on_both_services():
+    draft, target = FakeService(draft_rule), FakeService(target_rule)
+    tokens, finished = await generate(draft, target, 3, cache_salt="tenant-a")
+    assert tokens == target_only(30) and finished.stats.drafted > 0
+    cursors = draft.cursors("Propose") + target.cursors("Verify") + target.cursors("Decode")
+    assert len(cursors) > 3 and {cursor.cache_salt for cursor in cursors} == {"tenant-a"}
+    service = FakeService()
+    await RemoteSession(service, SESSION, lambda: None, "target", POLICY, salt="tenant-b").prefill(PROMPT)
+    assert service.cursors("Prefill")[0].cache_salt == "tenant-b"
+    unsalted = FakeService(target_rule)
+    await generate(FakeService(draft_rule), unsalted, 0, max_new_tokens=3)
+    assert {cursor.cache_salt for cursor in unsalted.cursors("Decode")} == {""}
+
+
+async def test_the_prompt_tokens_the_target_reused_are_the_requests_cached_prompt_tokens():
+    draft, target = FakeService(draft_rule), FakeService(target_rule)
+    target.reused = [3]
+    _, finished = await generate(draft, target, 3)
+    assert finished.cached_prompt_tokens == 3 and finished.prompt_tokens == len(PROMPT)
+    draft, target = FakeService(draft_rule), FakeService(target_rule)
+    _, finished = await generate(draft, target, 3)
+    assert finished.cached_prompt_tokens == 0  # the target said nothing: none
+
+
+async def test_after_a_resync_the_first_opening_calls_count_stands():
+    """The session lost mid-request and opened again from token 0 (its re-prefill may reuse more,
+    the output too): the request's cached prompt tokens stay those of the call that opened it first."""
+    draft, target = FakeService(draft_rule), FakeService(target_rule)
+    target.reused = [2, 9]
+    original = target._decode
+
+    def forgetful(request):
+        if len(target.cursors("Decode")) == 3:
+            target.sessions.clear()  # NOT_FOUND: the next call opens it again from token 0
+        return original(request)
+
+    target._decode = forgetful
+    tokens, finished = await generate(draft, target, 0, max_new_tokens=6)
+    assert tokens == target_only(6) and finished.stats.resyncs >= 1
+    assert [cursor.start for cursor in target.cursors("Decode")].count(0) == 2  # opened twice
+    assert target.reused == [] and finished.cached_prompt_tokens == 2
+
+
+async def test_cached_prompt_tokens_never_exceed_the_prompt():
+    draft, target = FakeService(draft_rule), FakeService(target_rule)
+    target.reused = [len(PROMPT) + 7]  # what no opening call of this prompt could reuse; trust only the prompt's
+    _, finished = await generate(draft, target, 0, max_new_tokens=2)
+    assert finished.cached_prompt_tokens == len(PROMPT)

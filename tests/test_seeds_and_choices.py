@@ -131,6 +131,7 @@ async def test_two_prompts_times_two_choices_come_in_openai_order(tiny_http):  #
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 32,
         "total_tokens": prompt_tokens + 32,
+        "prompt_tokens_details": {"cached_tokens": 0},  # prompts shorter than a prefix-cache block
     }
 
 
