@@ -146,7 +146,7 @@ async def test_a_prompt_served_from_the_prefix_store_gives_the_same_tokens(llama
     engine's logits agree bit for bit."""
     from specd.bench.systems import EDIT_PROMPTS, load_prompts
 
-    prompt = load_prompts(EDIT_PROMPTS)[1][0] + "\n# Also keep a docstring.\n"
+    prompt = load_prompts(EDIT_PROMPTS)[0][0] + "\n# Also keep a docstring.\n"
     target = llama_stack.services.target_server.thread.service
     hits = target.prefix_stats().hit_tokens
     runs = []
