@@ -34,6 +34,29 @@ as far as llama.cpp splits it: with a KV stream per sequence, one ubatch takes s
 ids and as many tokens each (`llama_batch_allocr::split_equal`), so sessions with scattered seq ids run as
 several ubatches.
 
+Attention is llama.cpp's flash attention over a K cache of Q8_0 (`ATTENTION`; llama.cpp's default is F16).
+ggml-cpu's flash attention (ggml_compute_forward_flash_attn_ext_f16) takes one of three
+paths per call: for one query row of one KV stream over a view of 512 cells or more (a lone decode
+step past 256 tokens: llama.cpp pads the view to 256 cells) it splits the cells across threads and adds
+the partial softmax sums up; from 64 query rows it tiles; otherwise each row runs over the cells in
+order. The three round differently, so past 256 tokens an F16 cache's lone decode step is not
+bit-equal to the same position in a verify, or in a pass batched beside another session (a logit apart
+by up to 0.6), and greedy output under load changed at near-ties. The split and the tiles are taken only
+for an F16 or F32 K cache whose V has the same type: over a Q8_0 K every call runs row by row. Without
+flash attention the KQ matmul of several rows rounds otherwise than one row's (a verify of 2 positions
+at 8 tokens of context is off by 0.45), so that is exact only at one scored position per call.
+Measured on the default target, AMD EPYC Zen 4 (family 25 model 17), 2 threads
+(scripts/measure_attention.py, docs/results/attention_zen4.json), a decode step at 100/300/700 tokens of
+context and a prefill of 512 tokens, with the weights and positions per call the probe found exact:
+Q8_0 K, F16 V (repacked, 3 per call) 37/35/36 ms, 5.5 s; Q8_0 K and V 29/30/34 ms, 6.2 s; BF16 K and V
+34/33/42 ms, 6.6 s; F16 flash, inexact with repacked weights past 256 tokens, so plain at one per call
+(as without flash attention) 37/39/40 ms, 4.2 s. Decode steps vary by ±4 ms between runs here (an
+earlier run: Q8_0 K, F16 V 29/30/36 ms): a Q8_0 K is as fast as any exact setting, keeps V at F16
+and a verify of 3 positions in one call, and quantizes K as llama.cpp's `-ctk q8_0` does.
+(Plain weights prefill faster than repacked ones here, 4.2 against 5.5 s: not yet used.)
+The load-time probe (`_exact`) scores its positions past 256 tokens of context, so a llama.cpp that
+rounds otherwise there is caught at load.
+
 On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
 (a general protection fault in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open): measured
 on an Intel Xeon (family 6, model 167) with llama-cpp-python 0.3.36 and with llama-server 0.26.
@@ -63,7 +86,12 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one 
 BATCH_TOKENS = 512  # the most tokens one llama_decode call takes
 # (repacked weights, positions one call may score) tried in order: see the module's docstring
 EXACT_SETTINGS = ((True, 3), (False, 7))
-PROBE_TOKENS = 8  # the self-test's context before the positions it scores
+# the self-test's context before the positions it scores: past 256 tokens, where llama.cpp's attention
+# view grows to 512 cells and flash attention would split a lone decode step across threads
+PROBE_TOKENS = 264
+# (flash attention, K cache type, V cache type): flash attention over a Q8_0 K cache, exact past 256
+# tokens of context, where an F16 K cache is not (the docstring; scripts/measure_attention.py)
+ATTENTION = (llama.LLAMA_FLASH_ATTN_TYPE_ENABLED, llama.GGML_TYPE_Q8_0, llama.GGML_TYPE_F16)
 # A row's tokens before those it keeps logits for run in calls cut at every PREFILL_BLOCK-th position
 # of its session, so that a prefix of whole blocks is computed alike wherever its prefill started
 # (`reusable`, the prefix store's blocks). 64-token calls prefill 5 % slower than calls of 512 here.
@@ -132,6 +160,7 @@ class LlamaCppEngine:
         params.kv_unified = False  # a stream of n_ctx / n_seq_max cells per sequence
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
+        params.flash_attn_type, params.type_k, params.type_v = ATTENTION
         self.context = llama.llama_init_from_model(self.model, params)
         if not self.context:
             raise CapacityExceeded(f"llama.cpp could not allocate {sessions} sessions of {session_tokens} tokens")
@@ -141,7 +170,8 @@ class LlamaCppEngine:
         self.n_ctx = llama.llama_n_ctx(self.context)
 
     def _exact(self) -> bool:
-        """Whether every call of 2..call_tokens positions gives bit for bit a decode step's logits at each."""
+        """Whether, past PROBE_TOKENS of context, every call of 2..call_tokens positions gives bit for bit
+        a decode step's logits at each, and a decode step batched beside another session gives its own."""
         tokens = [(7 * i + 3) % self.vocab_size for i in range(PROBE_TOKENS + self.call_tokens)]
         steps = [self.forward([Row("probe", tokens[: PROBE_TOKENS + 1], 1)])[0]]
         steps += [self.forward([Row("probe", [token], 1)])[0] for token in tokens[PROBE_TOKENS + 1 :]]
@@ -150,7 +180,12 @@ class LlamaCppEngine:
             self.crop("probe", PROBE_TOKENS)
             scored = self.forward([Row("probe", tokens[PROBE_TOKENS : PROBE_TOKENS + n], n)])[0]
             exact = exact and torch.equal(scored, torch.cat(steps[:n]))
+        self.crop("probe", PROBE_TOKENS)
+        other = Row("probe-beside", tokens[:9], 1)
+        beside = self.forward([Row("probe", tokens[PROBE_TOKENS : PROBE_TOKENS + 1], 1), other])[0]
+        exact = exact and torch.equal(beside, steps[0])
         self.release("probe")
+        self.release("probe-beside")
         return exact
 
     def _prefix_exact(self) -> bool:

@@ -73,6 +73,26 @@ async def test_a_verify_scores_bit_for_bit_as_decode_steps(llama_stack):
     assert torch.equal(scored, torch.cat(steps[6:]))  # positions 9.., after it
 
 
+async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_steps(llama_stack):
+    """Past 256 tokens of context llama.cpp's attention view grows to 512 cells, where flash attention
+    over an F16 K cache splits a lone decode step across threads and rounds otherwise than a verify or
+    a step batched beside another session (the engine's docstring, ATTENTION): 300 tokens of context."""
+    engine = llama_stack.services.target_server.thread.service.engine
+    text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 20
+    tokens = engine.tokenizer(text).input_ids[:304]
+    assert len(tokens) == 304
+    steps = [engine.forward([Row("long", tokens[:301], 1)])[0]]  # steps[i]: the logits at position 300 + i
+    steps += [engine.forward([Row("long", [token], 1)])[0] for token in tokens[301:]]
+    engine.crop("long", 300)
+    verified = engine.forward([Row("long", tokens[300:], 4)])[0]
+    engine.crop("long", 300)
+    beside = engine.forward([Row("short", tokens[:40], 1), Row("long", tokens[300:301], 1)])[1]
+    for session_id in ("long", "short"):
+        engine.release(session_id)
+    assert torch.equal(verified, torch.cat(steps))
+    assert torch.equal(beside, steps[0])
+
+
 @pytest.mark.parametrize("k", [1, 3, 5, None])  # None: K chosen every step
 async def test_greedy_speculative_output_equals_speculation_off(llama_stack, baselines, k):
     drafted = 0
