@@ -32,8 +32,7 @@ import torch
 
 from specd.model import llama_cpp_engine
 from specd.model.engine import Row
-
-GGML_TYPE_BF16 = 30  # ggml.h; llama-cpp-python names no constant for it
+from specd.model.llama_cpp_engine import GGML_TYPE_BF16
 
 SETTINGS = {  # name -> (flash attention, K cache type, V cache type)
     "flash f16 (llama.cpp's default)": (llama.LLAMA_FLASH_ATTN_TYPE_ENABLED, llama.GGML_TYPE_F16, llama.GGML_TYPE_F16),
@@ -100,7 +99,7 @@ def main() -> None:
     chosen = llama_cpp_engine.ATTENTION
     report = {"cpu": platform.processor() or platform.machine(), "gguf": str(gguf), "settings": {}}
     for name, (flash, type_k, type_v) in SETTINGS.items():
-        llama_cpp_engine.ATTENTION = (flash, type_k, type_v)
+        llama_cpp_engine.ATTENTION = ((flash, type_k, type_v),)
         engine = llama_cpp_engine.LlamaCppEngine(gguf, spec.name, tokenizer, [], args.threads, 4, 2048)
         figures = {"weights": "repacked" if engine.repacked else "plain", "call_tokens": engine.call_tokens}
         figures |= measure(engine, contexts)
