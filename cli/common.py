@@ -4,7 +4,7 @@ import argparse
 import json
 import re
 
-from specd.proto.limits import ENGINES, QUANTIZATIONS
+from specd.proto.limits import ENGINES, EXACTNESS, QUANTIZATIONS
 
 
 class UserError(Exception):
@@ -45,6 +45,19 @@ def add_engine_flag(parser: argparse.ArgumentParser, flag: str, role: str, note:
         default="auto",
         help=f"{note}what the {role} runs its model on (default auto: llama.cpp on a CPU when the model has a "
         "GGUF file, as the default pair does; transformers on a GPU or for a plain HF model)",
+    )
+
+
+def add_exactness_flag(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """--exactness of the llama.cpp engine: a model service's (`specd up`: both services')."""
+    parser.add_argument(
+        "--exactness",
+        choices=EXACTNESS,
+        default=EXACTNESS[0],
+        help=f"{note}the llama.cpp engine's scoring (default {EXACTNESS[0]}: every position bit for bit as a lone "
+        "decode step scores it, so greedy output equals target-only decoding at any load; batched: a pass's "
+        "positions in one llama.cpp call, faster under load, rounded as the batch's shape has it, as llama-server "
+        "and vLLM round: greedy output may differ at near-ties; docs/performance/under-load.md)",
     )
 
 

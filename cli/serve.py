@@ -11,6 +11,7 @@ from specd.cli.common import (
     add_device_flag,
     add_drafter_flag,
     add_engine_flag,
+    add_exactness_flag,
     add_model_flags,
     add_quantize_flag,
     check_service_device,
@@ -44,6 +45,7 @@ def add_parser(verbs) -> None:
         add_device_flag(parser, "--device", role)
         add_cuda_graphs_flag(parser, f"the {role}")
         add_engine_flag(parser, "--engine", role)
+        add_exactness_flag(parser)
         add_quantize_flag(parser, "--quantize", role)
         _add_limit_flags(parser, role)
         add_prefix_cache_flag(parser)
@@ -344,6 +346,7 @@ def run_model_service(args: argparse.Namespace) -> int:
         device=args.device,
         cuda_graphs=args.cuda_graphs,
         engine=args.engine,
+        exactness=args.exactness,
     )
     asyncio.run(
         serve_until_signal(

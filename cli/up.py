@@ -9,6 +9,7 @@ from specd.cli.common import (
     STACK_DEVICE_FLAGS,
     UserError,
     add_drafter_flag,
+    add_exactness_flag,
     add_model_flags,
     add_quantize_flag,
     add_stack_device_flags,
@@ -116,6 +117,7 @@ def add_parser(verbs) -> None:
     add_quantize_flag(parser, "--draft-quantize", "draft")
     add_quantize_flag(parser, "--target-quantize", "target")
     add_prefix_cache_flag(parser)  # both services', here and on a cluster
+    add_exactness_flag(parser, "both services': ")
     add_tracing_flag(parser)  # passed to all three processes (every actor, on a cluster)
     add_drain_flag(parser, "passed to all three processes of a stack on this machine")
     add_cluster_security_and_limit_flags(parser)
@@ -182,6 +184,7 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_cuda_graphs=graphs["target"],
             draft_engine=args.draft_engine,
             target_engine=args.engine,
+            exactness=args.exactness,
             target_gpus=args.target_gpus,
             draft_port=args.draft_port,
             target_port=args.target_port,
@@ -277,6 +280,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             otlp_endpoint=args.otlp_endpoint,
             drain_seconds=args.drain_seconds,
             prefix_cache_tokens=None if args.prefix_cache_tokens == AUTO_PREFIX_TOKENS else args.prefix_cache_tokens,
+            exactness=args.exactness,
         )
     )
     try:

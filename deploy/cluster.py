@@ -52,6 +52,7 @@ class ClusterConfig:
     target_cuda_graphs: str = "auto"
     draft_engine: str = "auto"  # auto (llama.cpp on a CPU for a model with a GGUF), transformers or llama.cpp
     target_engine: str = "auto"
+    exactness: str = "bitwise"  # both model services' --exactness (proto/limits.py EXACTNESS)
     # GPUs the target's actor asks Ray for (num_gpus). 0: none in Ray's accounting (Ray 2.60 then leaves
     # CUDA_VISIBLE_DEVICES alone: the actor sees every GPU of its node), except that a target placed by
     # GPU (no `target` resource in the cluster) asks for 1. With >= 1 Ray assigns it its own GPU(s).
@@ -127,13 +128,14 @@ class ModelServiceActor:
         engine: str = "auto",
         security: ServerSecurity = ServerSecurity(),
         otlp_endpoint: str | None = None,
+        exactness: str = "bitwise",
     ):
         from specd.proto import tracing
 
         tracing.setup(otlp_endpoint, f"specd-{role}")  # before the server exists: its calls get spans
         self.port = port
         self.security = security
-        service_options = dict(device=device, cuda_graphs=cuda_graphs, engine=engine)
+        service_options = dict(device=device, cuda_graphs=cuda_graphs, engine=engine, exactness=exactness)
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
             self._serve(role, model, dtype, threads, quantize, limits, metrics_port, service_options)
@@ -255,6 +257,7 @@ class ClusterStack:
             engine,
             config.security,
             config.otlp_endpoint,
+            exactness=config.exactness,
         )
         deployed = await self._locate(Deployed(role, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""

@@ -57,6 +57,7 @@ class StackConfig:
     otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
     drain_seconds: float | None = None  # --drain-seconds of all three processes; None: their default (30)
     prefix_cache_tokens: int | None = None  # both model services' --prefix-cache-tokens; None: their default (auto)
+    exactness: str | None = None  # both model services' --exactness; None: their default (bitwise)
     extra_service_flags: list[str] = field(default_factory=list)
     # Environment of the two model services, where this process's own does not set the variable
     # (`specd up` puts SHARED_CORES_ENV here).
@@ -150,6 +151,7 @@ class LocalStack:
             otlp_endpoint=config.otlp_endpoint,
             drain_seconds=config.drain_seconds,
             prefix_cache_tokens=config.prefix_cache_tokens,
+            exactness=config.exactness,
         )
         serve_args = [role, "--model", own("model"), *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
         return self._spawn(role, own("port"), own("metrics_port"), serve_args, config.service_env)

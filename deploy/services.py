@@ -15,13 +15,15 @@ def model_server(
     device: str = "auto",
     cuda_graphs: str = "auto",
     engine: str = "auto",
+    exactness: str = "bitwise",
 ):
     """A ModelServer for `role` ("draft" or "target"): start() binds it; load() loads the engine.
 
     `device`: auto, cpu, cuda or cuda:N, resolved for the role where the service runs
     (model/devices.py: auto puts a target on cuda:0 when a GPU is visible, a draft on the CPU);
     `cuda_graphs`: auto (on for a CUDA device), on or off; `engine`: auto, transformers or llama.cpp
-    (model/loading.py choose_engine: auto is llama.cpp for a GGUF on a CPU)."""
+    (model/loading.py choose_engine: auto is llama.cpp for a GGUF on a CPU); `exactness`: the
+    llama.cpp engine's --exactness (proto/limits.py EXACTNESS)."""
     from specd.model.loading import load_engine
 
     if role == "draft":
@@ -33,7 +35,16 @@ def model_server(
 
     def load():
         loaded = load_engine(
-            role, model, dtype, threads, quantize, device=device, cuda_graphs=cuda_graphs, engine=engine, limits=limits
+            role,
+            model,
+            dtype,
+            threads,
+            quantize,
+            device=device,
+            cuda_graphs=cuda_graphs,
+            engine=engine,
+            limits=limits,
+            exactness=exactness,
         )
         return service(loaded, limits)
 

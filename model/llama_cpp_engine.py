@@ -57,6 +57,14 @@ and a verify of 3 positions in one call, and quantizes K as llama.cpp's `-ctk q8
 The load-time probe (`_exact`) scores its positions past 256 tokens of context, so a llama.cpp that
 rounds otherwise there is caught at load.
 
+`--exactness batched` (`exactness="batched"`) gives the bitwise guarantee up for speed under load: no
+probe, repacked weights (plain where ggml has AMX), and every kept position of a pass in one llama_decode
+call (`BATCH_TOKENS`), so 8 sessions' decode steps are one gemm over 8 rows rather than three calls of
+gemv. Each position then rounds as the shape of its pass has it, as llama-server's and vLLM's do: greedy
+output can differ from target-only decoding at near-ties, and speculation still samples exactly from the
+distribution the target computed in that pass. In both modes a new session takes the lowest free seq id
+and a pass's kept positions go in seq-id order, so consecutive sessions share a ubatch (split_equal above).
+
 On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
 (a general protection fault in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open): measured
 on an Intel Xeon (family 6, model 167) with llama-cpp-python 0.3.36 and with llama-server 0.26.
@@ -66,6 +74,7 @@ Not thread-safe: the service's model thread is its only caller.
 """
 
 import ctypes
+import heapq
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -81,6 +90,7 @@ from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loading import tokenizer_files, tokenizer_fingerprint
 from specd.model.prefix_cache import BLOCK_TOKENS
+from specd.proto.limits import EXACTNESS
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
 BATCH_TOKENS = 512  # the most tokens one llama_decode call takes
@@ -115,7 +125,10 @@ class LlamaCppEngine:
         threads: int,
         sessions: int,
         session_tokens: int,
+        exactness: str = "bitwise",
     ):
+        if exactness not in EXACTNESS:
+            raise ValueError(f"--exactness takes {' or '.join(EXACTNESS)}, not {exactness!r}")
         if not 1 <= sessions <= MAX_SEQUENCES:
             raise ValueError(f"the llama.cpp engine holds 1..{MAX_SEQUENCES} sessions, not {sessions}")
         set_verbose(False)  # llama.cpp logs every load and context on stderr; errors only
@@ -124,19 +137,30 @@ class LlamaCppEngine:
         self.sequences: dict[str, int] = {}  # session id -> its seq id
         self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
         self.canonical: dict[str, int] = {}  # session id -> leading tokens a fresh prefill computes the same (reusable)
-        self.free = list(range(sessions - 1, -1, -1))
-        for repacked, call_tokens in exact_settings():
-            self._load(gguf, repacked, threads, sessions, session_tokens)
-            self.repacked, self.call_tokens = repacked, call_tokens
-            if self._exact():
-                break
-            self._unload()
-        else:  # no setting scores several positions as decode steps do: one per call always does
-            self._load(gguf, False, threads, sessions, session_tokens)
-            self.repacked, self.call_tokens = False, 1
+        self.free = list(range(sessions))  # a heap: the lowest free seq id first, so a pass's seq ids stay consecutive
+        self.exactness = exactness
+        if exactness == "batched":  # every scored position of a pass in one call: ggml's gemm from 4 rows
+            self.repacked, self.call_tokens = not ggml_has_amx(), BATCH_TOKENS
+            self._load(gguf, self.repacked, threads, sessions, session_tokens)
+        else:
+            for repacked, call_tokens in exact_settings():
+                self._load(gguf, repacked, threads, sessions, session_tokens)
+                self.repacked, self.call_tokens = repacked, call_tokens
+                if self._exact():
+                    break
+                self._unload()
+            else:  # no setting scores several positions as decode steps do: one per call always does
+                self._load(gguf, False, threads, sessions, session_tokens)
+                self.repacked, self.call_tokens = False, 1
         self.prefixes_exact = self._prefix_exact()
         weights = "repacked" if self.repacked else "plain"
-        log.info("%s: %s weights, %d scored positions per llama_decode call (exact)", name, weights, self.call_tokens)
+        log.info(
+            "%s: %s weights, at most %d scored positions per llama_decode call (--exactness %s)",
+            name,
+            weights,
+            self.call_tokens,
+            exactness,
+        )
         if not self.prefixes_exact:
             log.warning("%s: a restored prefix does not give a fresh prefill's logits here: no prefix reuse", name)
         self.description = ModelDescription(
@@ -240,7 +264,8 @@ class LlamaCppEngine:
         starts = [self.lengths[row.session_id] for row in rows]
         out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
         try:
-            for call in _calls(rows, starts, self.call_tokens):
+            sequences = [self.sequences[row.session_id] for row in rows]
+            for call in _calls(rows, starts, self.call_tokens, sequences):
                 self._decode(rows, starts, out, call)
         except BaseException:
             for row, start in zip(rows, starts):
@@ -256,7 +281,11 @@ class LlamaCppEngine:
         return [torch.from_numpy(logits) for logits in out]
 
     def _allocate(self, session_id: str) -> None:
-        self.sequences[session_id], self.lengths[session_id], self.canonical[session_id] = self.free.pop(), 0, 0
+        self.sequences[session_id], self.lengths[session_id], self.canonical[session_id] = (
+            heapq.heappop(self.free),
+            0,
+            0,
+        )
 
     def _decode(self, rows: list[Row], starts: list[int], out: list[np.ndarray], call: list[tuple[int, int]]) -> None:
         """One llama_decode of the (row index, offset in its tokens) positions of `call`."""
@@ -332,7 +361,7 @@ class LlamaCppEngine:
         sequence = self.sequences.pop(session_id, None)
         if sequence is not None:
             llama.llama_memory_seq_rm(self.memory, sequence, -1, -1)
-            self.free.append(sequence)
+            heapq.heappush(self.free, sequence)
             del self.lengths[session_id], self.canonical[session_id]
 
     def tokenizer_files(self) -> dict[str, bytes]:
@@ -360,12 +389,14 @@ def exact_settings() -> tuple[tuple[bool, int], ...]:
     return tuple(setting for setting in EXACT_SETTINGS if not (amx and setting[0]))
 
 
-def _calls(rows: list[Row], starts: list[int], call_tokens: int) -> list[list[tuple[int, int]]]:
+def _calls(rows: list[Row], starts: list[int], call_tokens: int, sequences: list[int]) -> list[list[tuple[int, int]]]:
     """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
     before the ones it keeps logits for (a prefill, a catch-up), in calls of their own cut at every
     PREFILL_BLOCK-th position of the session, so a block's call is the same whichever position the
     prefill started from (a restored prefix, token 0); then the kept positions of every row together
-    in calls of `call_tokens`."""
+    in calls of `call_tokens`, in the order of the rows' seq ids (`sequences`): llama.cpp puts
+    sequences in one ubatch only while their seq ids rise by one (`split_equal`), else it runs the call
+    as several graphs."""
     calls = []
     for index, (row, start) in enumerate(zip(rows, starts)):
         head = len(row.tokens) - row.keep_logits
@@ -373,8 +404,8 @@ def _calls(rows: list[Row], starts: list[int], call_tokens: int) -> list[list[tu
         calls += [[(index, offset) for offset in range(a, b)] for a, b in zip(cuts, cuts[1:]) if b > a]
     kept = [
         (index, offset)
-        for index, row in enumerate(rows)
-        for offset in range(len(row.tokens) - row.keep_logits, len(row.tokens))
+        for index in sorted(range(len(rows)), key=sequences.__getitem__)
+        for offset in range(len(rows[index].tokens) - rows[index].keep_logits, len(rows[index].tokens))
     ]
     return calls + [kept[start : start + call_tokens] for start in range(0, len(kept), call_tokens)]
 

@@ -171,7 +171,7 @@ def choose_engine(choice: str, name_or_path: str, device: torch.device) -> str:
     return "llama.cpp" if device.type == "cpu" and find_gguf(name_or_path) is not None else "transformers"
 
 
-def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits):
+def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits, exactness: str = "bitwise"):
     """The llama.cpp engine over the model's GGUF, with the tokenizer of the HF files beside it (a
     default-pair name's tokenizer folder, saved from its GGUF by `specd models fetch`: no conversion;
     or tokenizer files in the .gguf's folder), else the GGUF's own (reading it takes seconds).
@@ -207,6 +207,7 @@ def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits
         threads=torch.get_num_threads(),
         sessions=sessions,
         session_tokens=session_tokens,
+        exactness=exactness,
     )
 
 
@@ -220,12 +221,14 @@ def load_engine(
     cuda_graphs: str = "auto",
     engine: str = "auto",
     limits: Limits = Limits(),
+    exactness: str = "bitwise",
 ):
     """The Engine (model/engine.py) a `role` service runs `model` on: a default-pair name, a local
     HF directory, a hub id or a .gguf file, on the device `--device` names for the role
     (model/devices.py), with the engine `--engine` names (choose_engine). `cuda_graphs`: auto (on
     for a CUDA device), on or off. `limits`: the service's, which size the llama.cpp engine's KV
-    cache. An unknown or absent device raises DeviceUnavailable before anything loads."""
+    cache; `exactness`: the llama.cpp engine's --exactness (the transformers engine has one way). An
+    unknown or absent device raises DeviceUnavailable before anything loads."""
     from specd.model.devices import DeviceUnavailable, resolve_device
     from specd.model.transformers_engine import TransformersEngine  # it imports this module
 
@@ -237,6 +240,6 @@ def load_engine(
     chosen = choose_engine(engine, model, placed)
     logging.getLogger(__name__).info("the %s runs %s on the %s engine (--engine %s)", role, model, chosen, engine)
     if chosen == "llama.cpp":
-        return load_llama_cpp_engine(model, threads, limits)
+        return load_llama_cpp_engine(model, threads, limits, exactness)
     loaded = load_model(model, dtype, threads, resolve_quantization(role, quantize, placed), placed)
     return TransformersEngine(loaded, graphs=placed.type == "cuda" and cuda_graphs != "off")

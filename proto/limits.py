@@ -9,6 +9,11 @@ from dataclasses import dataclass
 
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only schemes a model service offers (model/loading.py)
 ENGINES = ("auto", "transformers", "llama.cpp")  # what a model service runs its model on (--engine)
+# --exactness, the llama.cpp engine's (model/llama_cpp_engine.py): "bitwise", every scored position exactly
+# as a lone decode step scores it (greedy output equal to target-only decoding at any load); "batched",
+# the positions of a pass in one llama_decode call, rounded as the batch's shape has it (as llama-server,
+# vLLM and every batching server round), faster under load.
+EXACTNESS = ("bitwise", "batched")
 # max_cached_tokens = 0: "auto", the service derives it from its device when it loads (model/service.py):
 # on a GPU what fits in the memory free after loading, on a CPU the default below.
 AUTO_CACHED_TOKENS = 0

@@ -192,8 +192,9 @@ def test_up_on_a_cluster_hands_each_service_actor_its_engine(monkeypatch):
             return Actor
 
         @staticmethod
-        def remote(role, *arguments):
+        def remote(role, *arguments, **keywords):
             started[role] = arguments
+            assert keywords == {"exactness": "bitwise"}  # --exactness's default, to both services
             raise Spawned(role)
 
     monkeypatch.setattr(cluster, "ModelServiceActor", Actor)

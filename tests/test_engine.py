@@ -304,3 +304,50 @@ def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_ar
     assert_same(feed(engine, "c", PROMPTS[2]), feed(llama_cpp(tiny_gguf), "fresh", PROMPTS[2]))
     with pytest.raises(ValueError, match="1..256 sessions"):
         llama_cpp(tiny_gguf, max_sessions=257, max_session_tokens=256, max_cached_tokens=257 * 256)
+
+
+def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf, monkeypatch):
+    """--exactness batched: no probe at load, every kept position of a pass in one llama_decode call
+    (the prompts before them in calls of their own, as bitwise), scores within a float's rounding of
+    the bitwise engine's and the same argmax; a bad value is refused before anything loads."""
+    monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: pytest.fail("batched runs no exactness probe"))
+    batched = load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="batched")
+    assert batched.call_tokens == BATCH_TOKENS and batched.exactness == "batched"
+    monkeypatch.undo()
+    bitwise = llama_cpp(tiny_gguf)
+    for each in (batched, bitwise):
+        for index, prompt in enumerate(PROMPTS):
+            feed(each, f"s{index}", prompt, keep=0)
+    calls = []
+    decode = LlamaCppEngine._decode
+    monkeypatch.setattr(
+        LlamaCppEngine, "_decode", lambda engine, *args: calls.append(args[-1]) or decode(engine, *args)
+    )
+    rows = [Row("s2", [5, 6, 7], 3), Row("s0", [8], 1), Row("s1", [9, 10], 2)]
+    scored = batched.forward(rows)
+    assert len(calls) == 1 and len(calls[0]) == 6  # 3 + 1 + 2 positions, one call
+    for actual, expected in zip(scored, bitwise.forward(rows)):
+        torch.testing.assert_close(actual, expected, atol=2e-3, rtol=0)
+        assert torch.equal(actual.argmax(-1), expected.argmax(-1))
+    with pytest.raises(ValueError, match="--exactness takes bitwise or batched"):
+        load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="fast")
+
+
+def test_llama_cpp_seq_ids_stay_compact_and_a_pass_runs_in_seq_id_order(tiny_gguf):
+    """A new session takes the lowest free seq id, and a pass's kept positions go to llama_decode in
+    seq-id order: llama.cpp's split_equal puts sequences in one ubatch only while their seq ids rise by
+    one, in batch order."""
+    engine = llama_cpp(tiny_gguf, max_sessions=4)
+    for name in "abcd":
+        feed(engine, name, PROMPTS[0], keep=0)
+    assert [engine.sequences[name] for name in "abcd"] == [0, 1, 2, 3]
+    engine.release("a")
+    engine.release("c")  # a list used as a stack would give "e" seq id 2, the last one freed
+    feed(engine, "e", PROMPTS[1], keep=0)
+    assert engine.sequences["e"] == 0
+    rows = [Row("d", [1, 2], 2), Row("b", [3, 4, 5], 1), Row("e", [6], 1)]
+    starts = [engine.lengths[row.session_id] for row in rows]
+    sequences = [engine.sequences[row.session_id] for row in rows]  # 3, 1, 0
+    calls = llama_cpp_engine._calls(rows, starts, 512, sequences)
+    assert calls == [[(1, 0), (1, 1)], [(2, 0), (1, 2), (0, 0), (0, 1)]]  # b's head first, then e, b, d
+    assert llama_cpp_engine._calls(rows, starts, 3, sequences)[1:] == [[(2, 0), (1, 2), (0, 0)], [(0, 1)]]

@@ -211,3 +211,59 @@ def test_the_prefix_cache_budget_is_a_serve_and_an_up_setting(monkeypatch, capsy
     started.clear()
     run_here(parse(["up", "--device", "cpu", "--draft-device", "cpu"]), {"draft": "off", "target": "off"})
     assert started and not any("--prefix-cache-tokens" in args for args in started)  # the services' own default
+
+
+def test_exactness_is_a_serve_and_an_up_setting(monkeypatch, capsys):
+    """--exactness on `specd serve draft|target` and `specd up`: bitwise by default, batched on request,
+    anything else refused by the parser; a stack here passes it to both services, a cluster's config
+    carries it to both service actors."""
+    from specd.cli import build_parser
+    from specd.cli.up import run_here
+    from specd.deploy import local
+
+    parse = build_parser().parse_args
+    for role in ("draft", "target"):
+        assert parse(["serve", role]).exactness == "bitwise"
+        assert parse(["serve", role, "--exactness", "batched"]).exactness == "batched"
+    with pytest.raises(SystemExit):
+        parse(["serve", "target", "--exactness", "fast"])
+    assert "--exactness" in capsys.readouterr().err
+    started = []
+
+    class Started(local.LocalStack):
+        async def start(self):
+            started.extend(self._service(role) for role in ("draft", "target"))
+            raise KeyboardInterrupt
+
+        def _spawn(self, name, port, metrics_port, serve_args, env=None):
+            return serve_args
+
+        def stop(self, timeout_s=None):
+            pass
+
+    monkeypatch.setattr(local, "LocalStack", Started)
+    up = parse(["up", "--exactness", "batched", "--device", "cpu", "--draft-device", "cpu"])
+    assert "--exactness" not in up.cluster_only
+    run_here(up, {"draft": "off", "target": "off"})
+    assert [args[args.index("--exactness") + 1] for args in started] == ["batched", "batched"]
+    configs = []
+
+    class Cluster:
+        def __init__(self, config):
+            configs.append(config)
+
+        async def start(self):
+            raise KeyboardInterrupt
+
+        def stop(self):
+            pass
+
+    from specd.cli.up import run_on_cluster
+    from specd.deploy import cluster
+
+    monkeypatch.setattr(cluster, "ClusterStack", Cluster)
+    run_on_cluster(
+        parse(["up", "--ray-address", "auto", "--exactness", "batched"]), {"draft": "auto", "target": "auto"}
+    )
+    assert [config.exactness for config in configs] == ["batched"]
+    assert cluster.ClusterConfig("auto").exactness == "bitwise"
