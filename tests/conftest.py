@@ -1,5 +1,6 @@
 """Shared fixtures: tiny random models of the real architecture, in-process services on port 0."""
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -158,6 +159,46 @@ async def serve_engines(make_draft, make_target, limits: Limits = Limits()) -> S
     return Services(draft_server, target_server)
 
 
+class DraftBeside(Services):
+    """A draft service of its own (a server here, or a process's: anything with a port) in front of
+    another Services' target: close() stops a server of this process's draft alone."""
+
+    def __init__(self, draft_server, services: Services):
+        self.draft_server, self.target_server, self.target = draft_server, services.target_server, services.target
+        self.draft_channel = grpc.aio.insecure_channel(f"127.0.0.1:{draft_server.port}")
+        self.draft = draft_pb2_grpc.DraftServiceStub(self.draft_channel)
+
+    async def close(self):
+        await self.draft_channel.close()
+        if hasattr(self.draft_server, "stop"):
+            await self.draft_server.stop(0)
+
+
+async def serve_draft_beside(make_draft, services: Services, limits: Limits = Limits()) -> DraftBeside:
+    """A draft service over the engine `make_draft(limits)` makes, beside the target of `services`."""
+    draft_server = create_draft_server(lambda: Drafter(make_draft(limits), limits))
+    await draft_server.start("127.0.0.1:0")
+    await draft_server.load()
+    return DraftBeside(draft_server, services)
+
+
+@contextlib.asynccontextmanager
+async def real_draft_process(services: Services, log_path: Path, *flags: str):
+    """`specd serve draft` on the real draft (`flags`: its engine, quantization) in a process of its
+    own, in front of the target of `services`: the real pair's transformers weights never load into
+    the test process beside the session's llama.cpp pair (tests/test_real_pair.py's module aside)."""
+    from test_faults import DraftProcess
+
+    draft = DraftProcess("draft", log_path)
+    draft.extra_args, draft.serving_timeout_s = (*flags, "--threads", "2"), 300  # the last --threads wins
+    draft.spawn()
+    try:
+        await draft.serving()
+        yield DraftBeside(draft, services)
+    finally:
+        draft.kill()
+
+
 @pytest.fixture
 async def tiny_services(tiny_loaded):
     services = await start_services(tiny_loaded["draft"], tiny_loaded["target"], Limits(max_sessions=8))
@@ -165,14 +206,16 @@ async def tiny_services(tiny_loaded):
     await services.close()
 
 
-@pytest.fixture(scope="session")
-def real_float32():
-    """The real default pair in float32, loaded once per test session: {"draft": ..., "target": ...}.
+# The real pair on the llama.cpp engine (its GGUFs, the default on a CPU): llama.cpp allocates the KV
+# up front, so a budget for the few sessions the real-pair tests open (2.4 GB with the weights).
+REAL_LIMITS = Limits(max_cached_tokens=16 * 2048, max_session_tokens=2048)
 
-    float32 because greedy speculation then matches plain greedy decoding token for token
-    (docs/architecture.md §7: bf16's batched scoring may change rounding). Needs `specd models fetch`.
-    """
-    return {role: load_model(role, "float32") for role in ("draft", "target")}
+
+def real_llama_cpp(role: str):
+    """make(limits) of the real `role` on the llama.cpp engine (serve_engines' argument)."""
+    from specd.model.loading import load_engine
+
+    return lambda limits: load_engine(role, role, engine="llama.cpp", limits=limits)
 
 
 @pytest.fixture(scope="session")
@@ -235,11 +278,34 @@ async def tiny_stack(tiny_loaded, ray_local):
 
 
 @pytest.fixture(scope="session")
-async def real_stack(real_float32, ray_local):
-    """The real pair (float32) behind in-process services, and an orchestrator on Ray."""
-    stack = await start_stack(real_float32["draft"], real_float32["target"])
+async def real_stack(ray_local):
+    """The real pair on the llama.cpp engine behind in-process services, and an orchestrator on Ray:
+    loaded once per test session (1.6 GB of GGUF, no conversion), shared by every real-pair test of
+    the orchestrator and its APIs. Exact by construction: a verify scores bit for bit as decode steps
+    (model/llama_cpp_engine.py). The transformers engine's real-pair tests (tests/test_real_pair.py)
+    run the float32 target in a process of its own: 7 GB, too much beside anything else."""
+    stack = await stack_over(await serve_engines(real_llama_cpp("draft"), real_llama_cpp("target"), REAL_LIMITS))
     yield stack
     await stop_stack(stack)
+
+
+@pytest.fixture(scope="session")
+async def real_baselines(real_stack):
+    """Speculation off on the real stack: the target's own greedy output per prompt of REAL_PROMPTS."""
+    from specd.proto.client import complete, make_request
+
+    return {
+        p: await complete(real_stack.client, make_request(p, REAL_NEW_TOKENS, draft_tokens=0, ignore_eos=True))
+        for p in REAL_PROMPTS
+    }
+
+
+REAL_PROMPTS = [
+    "def fibonacci(n):",
+    "import numpy as np\n\ndef softmax(x):",
+    "# Write a function that parses an ISO 8601 date string\n",
+]
+REAL_NEW_TOKENS = 24
 
 
 @pytest.fixture(scope="session")

@@ -183,3 +183,44 @@ def test_progress_in_a_log_is_a_line_at_least_every_interval(monkeypatch, capsys
         time.sleep(0.2)
     assert any(line.startswith("still converting fake: ") and "resident" in line for line in said)
     assert said[-1].startswith("done converting fake in ") and "peak resident memory" in said[-1]
+
+
+@pytest.mark.parametrize("output", [True, False], ids=["untied", "tied"])
+def test_the_conversion_writes_what_transformers_own_path_writes(tiny_dirs, tmp_path, monkeypatch, output):
+    """model/convert.py, one shard at a time (several here), against transformers' from_pretrained
+    (GgufConfig(dequantize=True)) and save_pretrained: the same tensors bit for bit under the same
+    names, the same config and generation config; and the converted folder loads and scores alike."""
+    import torch
+    from safetensors.torch import load_file
+    from tiny_gguf import write_tiny_gguf
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    from specd.model import convert
+
+    (tmp_path / "gguf").mkdir()
+    gguf = write_tiny_gguf(tiny_dirs["target"], tmp_path / "gguf" / "model.gguf", [], output)  # no tokenizer
+    reference = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
+    )
+    monkeypatch.setattr(convert, "SHARD_BYTES", 16 * 1024 * 1024)  # the embedding alone is 39 MB
+    (tmp_path / "ours").mkdir()
+    convert.convert_gguf(gguf, tmp_path / "ours")
+    shards = sorted((tmp_path / "ours").glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    ours = {name: tensor for shard in shards for name, tensor in load_file(shard).items()}
+    expected = {name: tensor for name, tensor in reference.state_dict().items()}
+    if not output:
+        assert reference.config.tie_word_embeddings and "lm_head.weight" not in ours
+        expected.pop("lm_head.weight")
+    assert ours.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert ours[name].dtype == torch.float32 and torch.equal(ours[name], tensor), name
+    reference.save_pretrained(tmp_path / "reference")  # what the conversion wrote before
+    for name in ("config.json", "generation_config.json"):
+        ours_json, theirs = (json.loads((tmp_path / folder / name).read_text()) for folder in ("ours", "reference"))
+        theirs.pop("quantization_config", None)  # the GGUF's, which the old path dropped after saving
+        assert ours_json == theirs, name
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        assert torch.equal(loaded(ids).logits, reference(ids).logits)

@@ -7,10 +7,8 @@ model (model, hybrid) is refused at the boundary. `specd up --drafter suffix` st
 Real gRPC servers on port 0 and real Ray, tiny models (conftest.py)."""
 
 import json
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -180,6 +178,8 @@ async def test_a_cluster_deploys_a_draft_only_for_a_drafter_that_asks_it(monkeyp
 def test_specd_up_with_a_lookup_drafter_starts_no_draft_service(tiny_dirs, tmp_path):
     """The real command: a target and an orchestrator, no draft process and no draft line; a request
     the suffix drafter guesses for equals speculation off."""
+    from test_up import read_until_ready, stop
+
     from specd.deploy.local import free_port
 
     ports = [free_port() for _ in range(4)]
@@ -191,13 +191,7 @@ def test_specd_up_with_a_lookup_drafter_starts_no_draft_service(tiny_dirs, tmp_p
     up = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log.open("w"), stdin=subprocess.DEVNULL, text=True)
     children: list[psutil.Process] = []
     try:
-        lines = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (line := up.stdout.readline()):
-            lines.append(line.rstrip())
-            if line.startswith("ready:"):
-                break
-        assert lines and lines[-1].startswith("ready:"), "\n".join(lines) + log.read_text()[-3000:]
+        lines = read_until_ready(up, log)
         children = psutil.Process(up.pid).children()
         roles = sorted(child.cmdline()[child.cmdline().index("serve") + 1] for child in children)
         assert roles == ["orchestrator", "target"]
@@ -210,12 +204,7 @@ def test_specd_up_with_a_lookup_drafter_starts_no_draft_service(tiny_dirs, tmp_p
             suffix, stats = generate_sync(client, request(REPEATS, 3, max_new_tokens=32))
         assert suffix == off and stats.drafter == "suffix" and stats.lookup_drafted == stats.drafted > 0
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
+        stop(up)
     _, alive = psutil.wait_procs(children, timeout=30)
     assert not alive, "specd up must stop its services"
 

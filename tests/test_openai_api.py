@@ -8,7 +8,6 @@ import re
 import shutil
 import ssl
 import subprocess
-import sys
 import urllib.error
 import urllib.request
 
@@ -16,7 +15,6 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from specd.deploy.local import free_port
 from specd.orchestrator.core import STEP_FIELDS
 from specd.orchestrator.openai_api import HttpApi
 from specd.proto.metrics import start_exporter
@@ -530,62 +528,6 @@ async def test_token_and_tls_guard_the_api_but_not_health(tiny_stack, tmp_path):
         assert (await http("GET", f"{base}/health", context=trusted))[0] == 200
     finally:
         await http_api.stop()
-
-
-def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(tiny_dirs):
-    """`specd up` as a user runs it (three processes): the printed addresses answer."""
-    ports = {
-        flag: free_port()
-        for flag in (
-            "--port",
-            "--draft-port",
-            "--target-port",
-            "--http-port",
-            "--metrics-port",
-            "--draft-metrics-port",
-            "--target-metrics-port",
-        )
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "specd.cli",
-        "up",
-        "--dtype",
-        "float32",
-        "--workers",
-        "1",
-        "--draft-model",
-        str(tiny_dirs["draft"]),
-        "--target-model",
-        str(tiny_dirs["target"]),
-        *(str(item) for pair in ports.items() for item in pair),
-    ]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True
-    )
-    try:
-        lines = []
-        for line in process.stdout:
-            lines.append(line)
-            if line.startswith("ready:"):
-                break
-        printed = "".join(lines)
-        base = f"http://127.0.0.1:{ports['--http-port']}/v1"
-        assert base in printed, printed
-        for flag in ("--metrics-port", "--draft-metrics-port", "--target-metrics-port"):
-            assert f"http://127.0.0.1:{ports[flag]}/metrics" in printed
-        status, text = asyncio.run(
-            http("POST", f"{base}/completions", {"prompt": PROMPT, "max_tokens": 6, "temperature": 0})
-        )
-        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] <= 6
-        status, text = asyncio.run(http("GET", f"http://127.0.0.1:{ports['--metrics-port']}/metrics"))
-        assert 'specd_requests_total{api="http",outcome=' in text
-        status, text = asyncio.run(http("GET", f"http://127.0.0.1:{ports['--target-metrics-port']}/metrics"))
-        assert 'specd_service_calls_total{code="OK",method="Verify"}' in text
-    finally:
-        process.terminate()  # `specd up` stops its three processes on SIGTERM
-        process.wait(60)
 
 
 async def send_and_leave(port: int, path: str, body: dict, leave_after) -> None:

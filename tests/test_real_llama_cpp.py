@@ -1,63 +1,36 @@
 """The real pair's GGUF files on the llama.cpp engine (model/llama_cpp_engine.py) behind the real
-services and orchestrator: speculation changes speed, never tokens; and a deployment may mix engines
-(a transformers draft, a llama.cpp target) because both describe the same tokenizer.
-
-Slow: the llama.cpp pair loads once per module (1.6 GB of GGUF), beside conftest's float32 pair.
+services (conftest's `real_stack`, loaded once per test session): the engine scores a verify bit for
+bit as decode steps, before and past 256 tokens of context; a deployment may mix engines (a
+transformers draft, a llama.cpp target) because both describe the same tokenizer; the lookup drafters,
+draft-ahead and the prefix store keep the output. The orchestrator's K sweep and concurrency over the
+same stack are tests/test_real_orchestrator.py's.
 """
-
-import asyncio
 
 import pytest
 import torch
-from conftest import serve_engines, stack_over, stop_stack
-from test_real_orchestrator import NEW_TOKENS, PROMPTS  # the same prompts as on the transformers engine
+from conftest import REAL_LIMITS, REAL_NEW_TOKENS, REAL_PROMPTS, real_draft_process, stack_over, stop_stack
 
 from specd.model.engine import Row
-from specd.model.loading import load_engine
-from specd.model.transformers_engine import TransformersEngine
 from specd.proto.client import complete, make_request
-from specd.proto.limits import Limits
 from specd.v1 import common_pb2
 
 pytestmark = pytest.mark.real
 
-LIMITS = Limits(max_cached_tokens=16 * 2048, max_session_tokens=2048)  # llama.cpp allocates the KV up front
 
-
-def llama_cpp(role: str):
-    return lambda limits: load_engine(role, role, engine="llama.cpp", limits=limits)
-
-
-@pytest.fixture(scope="module")
-async def llama_stack(ray_local):
-    stack = await stack_over(await serve_engines(llama_cpp("draft"), llama_cpp("target"), LIMITS))
-    yield stack
-    await stop_stack(stack)
-
-
-@pytest.fixture(scope="module")
-async def baselines(llama_stack):
-    """Speculation off: the llama.cpp target's own greedy output, per prompt."""
-    return {
-        p: await complete(llama_stack.client, make_request(p, NEW_TOKENS, draft_tokens=0, ignore_eos=True))
-        for p in PROMPTS
-    }
-
-
-async def test_the_services_run_the_gguf_files(llama_stack):
-    for stub in (llama_stack.services.draft, llama_stack.services.target):
+async def test_the_services_run_the_gguf_files(real_stack):
+    for stub in (real_stack.services.draft, real_stack.services.target):
         info = await stub.Info(common_pb2.InfoRequest())
         assert info.dtype == "gguf" and "Q" in info.quantization and info.device == "cpu"
-        assert info.max_cached_tokens == LIMITS.max_cached_tokens
-    text = (await complete(llama_stack.client, make_request(PROMPTS[0], NEW_TOKENS, ignore_eos=True))).text
+        assert info.max_cached_tokens == REAL_LIMITS.max_cached_tokens
+    text = (await complete(real_stack.client, make_request(REAL_PROMPTS[0], REAL_NEW_TOKENS, ignore_eos=True))).text
     assert "return" in text or "if" in text, f"not code: {text!r}"
 
 
-async def test_a_verify_scores_bit_for_bit_as_decode_steps(llama_stack):
+async def test_a_verify_scores_bit_for_bit_as_decode_steps(real_stack):
     """What makes speculation exact on this engine (model/llama_cpp_engine.py): the target's logits
     for K + 1 positions at once equal its one-token decode steps', after rollbacks and beside others.
     Both sessions prefill the prompt alike, as a request does with speculation on or off."""
-    engine = llama_stack.services.target_server.thread.service.engine
+    engine = real_stack.services.target_server.thread.service.engine
     tokens = engine.tokenizer("def quicksort(items):\n    if len(items) <= 1:\n        return items").input_ids
     prompt = tokens[:4]
     steps = [engine.forward([Row("decode", prompt, 1)])[0]]  # steps[i]: the logits at position 3 + i
@@ -73,11 +46,11 @@ async def test_a_verify_scores_bit_for_bit_as_decode_steps(llama_stack):
     assert torch.equal(scored, torch.cat(steps[6:]))  # positions 9.., after it
 
 
-async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_steps(llama_stack):
+async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_steps(real_stack):
     """Past 256 tokens of context llama.cpp's attention view grows to 512 cells, where flash attention
     over an F16 K cache splits a lone decode step across threads and rounds otherwise than a verify or
     a step batched beside another session (the engine's docstring, ATTENTION): 300 tokens of context."""
-    engine = llama_stack.services.target_server.thread.service.engine
+    engine = real_stack.services.target_server.thread.service.engine
     text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 20
     tokens = engine.tokenizer(text).input_ids[:304]
     assert len(tokens) == 304
@@ -93,53 +66,48 @@ async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_
     assert torch.equal(beside, steps[0])
 
 
-@pytest.mark.parametrize("k", [1, 3, 5, None])  # None: K chosen every step
-async def test_greedy_speculative_output_equals_speculation_off(llama_stack, baselines, k):
-    drafted = 0
-    for prompt in PROMPTS:
-        result = await complete(llama_stack.client, make_request(prompt, NEW_TOKENS, draft_tokens=k, ignore_eos=True))
-        assert result.token_ids == baselines[prompt].token_ids, (prompt, k)
-        drafted += result.final.stats.drafted
-        if k is not None:
-            assert result.final.stats.accepted > 0 and result.final.stats.steps < NEW_TOKENS  # the draft helped
-    assert k is None or drafted > 0
+async def test_a_transformers_draft_serves_a_llama_cpp_target(real_stack, real_baselines, tmp_path):
+    """One pair, two engines: the real draft in float32 on the transformers engine (`specd serve draft
+    --engine transformers --quantize none`, a process of its own) in front of the llama.cpp target: the tokenizer check
+    passes, and the output is the llama.cpp target's."""
+    flags = ("--engine", "transformers", "--quantize", "none")  # not int4, a CPU draft's default
+    async with real_draft_process(real_stack.services, tmp_path / "draft.log", *flags) as services:
+        stack = await stack_over(services)
+        try:
+            draft_info = await stack.services.draft.Info(common_pb2.InfoRequest())
+            target_info = await stack.services.target.Info(common_pb2.InfoRequest())
+            assert (draft_info.dtype, target_info.dtype) == ("float32", "gguf")
+            assert draft_info.tokenizer_fingerprint == target_info.tokenizer_fingerprint
+            for prompt in REAL_PROMPTS:
+                request = make_request(prompt, REAL_NEW_TOKENS, draft_tokens=3, ignore_eos=True)
+                result = await complete(stack.client, request)
+                assert result.token_ids == real_baselines[prompt].token_ids, prompt
+                assert result.final.stats.accepted > 0
+        finally:
+            await stop_stack(stack)
 
 
-async def test_concurrent_requests_stay_exact(llama_stack, baselines):
-    results = await asyncio.gather(
-        *(complete(llama_stack.client, make_request(p, NEW_TOKENS, draft_tokens=4, ignore_eos=True)) for p in PROMPTS)
-    )
-    for prompt, result in zip(PROMPTS, results):
-        assert result.token_ids == baselines[prompt].token_ids, prompt
-    assert await llama_stack.live_sessions() == (0, 0)
-
-
-async def test_a_transformers_draft_serves_a_llama_cpp_target(real_float32, ray_local, baselines):
-    """One pair, two engines: the tokenizer check passes, and the output is the llama.cpp target's."""
-    draft = lambda limits: TransformersEngine(real_float32["draft"])  # noqa: E731
-    stack = await stack_over(await serve_engines(draft, llama_cpp("target"), LIMITS))
-    try:
-        draft_info = await stack.services.draft.Info(common_pb2.InfoRequest())
-        target_info = await stack.services.target.Info(common_pb2.InfoRequest())
-        assert (draft_info.dtype, target_info.dtype) == ("float32", "gguf")
-        assert draft_info.tokenizer_fingerprint == target_info.tokenizer_fingerprint
-        for prompt in PROMPTS:
-            result = await complete(stack.client, make_request(prompt, NEW_TOKENS, draft_tokens=3, ignore_eos=True))
-            assert result.token_ids == baselines[prompt].token_ids, prompt
-            assert result.final.stats.accepted > 0
-    finally:
-        await stop_stack(stack)
+@pytest.fixture
+async def fresh_orchestrator(real_stack):
+    """An orchestrator of its own over the real services: workers with no costs measured and no α
+    learnt from earlier requests, so what the adaptive K chooser does is this test's alone."""
+    stack = await stack_over(real_stack.services)
+    yield stack
+    await stack.channel.close()
+    await stack.orchestrator.stop(0)
 
 
 @pytest.mark.parametrize("drafter, k", [("ngram", None), ("hybrid", None), ("hybrid", 4)])
-async def test_an_edit_prompt_is_exact_whoever_guesses(llama_stack, drafter, k):
+async def test_an_edit_prompt_is_exact_whoever_guesses(fresh_orchestrator, drafter, k):
     """The first edit prompt (bench/prompts_edit.jsonl: rename in a file given in the prompt): the
     real target repeats the file, the prompt lookup guesses it, and the output is speculation off's."""
     from specd.bench.systems import EDIT_PROMPTS, load_prompts
 
     prompt = load_prompts(EDIT_PROMPTS)[0][0]
-    off = await complete(llama_stack.client, make_request(prompt, 48, draft_tokens=0, ignore_eos=True))
-    run = await complete(llama_stack.client, make_request(prompt, 48, draft_tokens=k, ignore_eos=True, drafter=drafter))
+    off = await complete(fresh_orchestrator.client, make_request(prompt, 48, draft_tokens=0, ignore_eos=True))
+    run = await complete(
+        fresh_orchestrator.client, make_request(prompt, 48, draft_tokens=k, ignore_eos=True, drafter=drafter)
+    )
     assert run.token_ids == off.token_ids, (drafter, k)
     stats = run.final.stats
     assert stats.drafter == drafter and stats.lookup_accepted > 0  # the lookup guessed, and rightly
@@ -147,33 +115,33 @@ async def test_an_edit_prompt_is_exact_whoever_guesses(llama_stack, drafter, k):
         assert stats.lookup_drafted == stats.drafted
 
 
-async def test_drafting_ahead_on_the_real_pair_keeps_the_output(llama_stack):
+async def test_drafting_ahead_on_the_real_pair_keeps_the_output(real_stack):
     """Draft-ahead forced on (orchestrator/ahead.py), the draft model guessing: the real target's greedy
     output equals speculation off's, and some steps took guesses drafted during the previous verify."""
     prompt = "def quicksort(arr):"
-    off = await complete(llama_stack.client, make_request(prompt, 32, draft_tokens=0, ignore_eos=True))
+    off = await complete(real_stack.client, make_request(prompt, 32, draft_tokens=0, ignore_eos=True))
     message = make_request(prompt, 32, draft_tokens=4, ignore_eos=True, drafter="model")
     message.draft_ahead = "on"
-    run = await complete(llama_stack.client, message)
+    run = await complete(real_stack.client, message)
     assert run.token_ids == off.token_ids
     stats = run.final.stats
     assert stats.ahead_steps > 0 and stats.ahead_ready > 0 and stats.accepted > 0
 
 
-async def test_a_prompt_served_from_the_prefix_store_gives_the_same_tokens(llama_stack):
+async def test_a_prompt_served_from_the_prefix_store_gives_the_same_tokens(real_stack):
     """The prefix store on the real pair (model/prefix_cache.py): a prompt seen before starts from its
     kept blocks, under the same cache_salt only, and the greedy output is a fresh prefill's; the
     engine's logits agree bit for bit."""
     from specd.bench.systems import EDIT_PROMPTS, load_prompts
 
     prompt = load_prompts(EDIT_PROMPTS)[0][0] + "\n# Also keep a docstring.\n"
-    target = llama_stack.services.target_server.thread.service
+    target = real_stack.services.target_server.thread.service
     hits = target.prefix_stats().hit_tokens
     runs = []
     for salt, k in [("tenant-a", 0), ("tenant-b", 0), ("tenant-a", 0), ("tenant-a", 0)]:
         message = make_request(prompt, 24, draft_tokens=k, ignore_eos=True)
         message.cache_salt = salt
-        runs.append(await complete(llama_stack.client, message))
+        runs.append(await complete(real_stack.client, message))
     assert len({tuple(run.token_ids) for run in runs}) == 1
     cached = [run.final.usage.cached_prompt_tokens for run in runs]
     assert cached[0] == cached[1] == 0 and cached[2] >= 64 and cached[3] >= 64, cached  # b never hits a's

@@ -1,17 +1,29 @@
-"""The real Qwen2.5-Coder pair (float32): one tokenizer, sensible output, and greedy speculation
-over real gRPC that emits exactly the target's own greedy tokens (docs/architecture.md §1, §3, §6).
+"""The real Qwen2.5-Coder pair on the transformers engine, in float32: one tokenizer, sensible output,
+and greedy speculation over real gRPC that emits exactly the target's own greedy tokens
+(docs/architecture.md §1, §3, §6), against HF generate as the independent reference.
 
-Slow: the pair is loaded once per session (conftest's `real_float32`), the services once per module.
+The float32 target holds 7 GB (its GGUF unties the output layer), so it never shares a process: the
+reference is computed in a process of its own, then the target is served by `specd serve target` in
+another; the draft (2.5 GB) is served from this one. The real pair on the llama.cpp engine, and the
+orchestrator over it, are tests/test_real_llama_cpp.py's and tests/test_real_orchestrator.py's.
 """
 
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import grpc
 import pytest
 import torch
-from conftest import requires_gpu, start_services
+from conftest import requires_gpu, serve_draft_beside, start_services
+from transformers import AutoTokenizer
 
 from specd.model.loading import load_model, tokenizer_fingerprint
-from specd.model.store import ModelNotFetchedError
+from specd.model.store import ModelNotFetchedError, resolve_model
+from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import fingerprint
-from specd.v1 import common_pb2, draft_pb2, target_pb2
+from specd.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc
 
 pytestmark = pytest.mark.real
 
@@ -22,78 +34,112 @@ PROMPTS = [
     "import numpy as np\n\ndef softmax(x):",
     "# Write a function that parses an ISO 8601 date string",
 ]
+# HF generate's greedy continuations, in a process of its own (argv: model folder, prompts, tokens).
+REFERENCE = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+path, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+reference = {}
+for prompt in prompts:
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        output = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, num_beams=1,
+                                max_new_tokens=new_tokens, pad_token_id=tokenizer.pad_token_id)
+    reference[prompt] = [ids[0].tolist(), output[0, ids.shape[1]:].tolist()]
+print(json.dumps(reference))
+"""
 
 
 @pytest.fixture(scope="module")
-def greedy_reference(real_float32) -> dict[str, tuple[list[int], list[int]]]:
+def target_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model("target"))
+
+
+@pytest.fixture(scope="module")
+def greedy_reference() -> dict[str, tuple[list[int], list[int]]]:
     """prompt -> (prompt ids, the target's greedy continuation by plain HF generate): the
     independent reference, computed without any specd code path."""
-    loaded = real_float32["target"]
-    reference = {}
-    for prompt in PROMPTS:
-        ids = loaded.tokenizer(prompt, return_tensors="pt").input_ids
-        with torch.inference_mode():
-            output = loaded.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                num_beams=1,
-                max_new_tokens=NEW_TOKENS,
-                pad_token_id=loaded.tokenizer.pad_token_id,
-            )
-        reference[prompt] = (ids[0].tolist(), output[0, ids.shape[1] :].tolist())
-    return reference
+    run = subprocess.run(
+        [sys.executable, "-c", REFERENCE, str(resolve_model("target")), json.dumps(PROMPTS), str(NEW_TOKENS)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {prompt: (ids, continuation) for prompt, (ids, continuation) in json.loads(run.stdout).items()}
 
 
 @pytest.fixture(scope="module")
-async def real_services(real_float32):
-    services = await start_services(real_float32["draft"], real_float32["target"])
-    yield services
-    await services.close()
+def real_draft():
+    return load_model("draft", "float32")
 
 
-def test_draft_and_target_share_one_tokenizer(real_float32):
-    draft, target = real_float32["draft"], real_float32["target"]
-    assert draft.tokenizer.get_vocab() == target.tokenizer.get_vocab()
-    assert draft.tokenizer.all_special_tokens == target.tokenizer.all_special_tokens
-    assert draft.tokenizer.all_special_ids == target.tokenizer.all_special_ids
-    assert tokenizer_fingerprint(draft.tokenizer) == tokenizer_fingerprint(target.tokenizer)
-    assert draft.eos_token_ids == target.eos_token_ids and draft.eos_token_ids
+@pytest.fixture(scope="module")
+async def real_services(real_draft, greedy_reference, tmp_path_factory):
+    """The draft served from this process, the target by `specd serve target` (after the reference's
+    process has ended: the two never hold 7 GB each at once)."""
+    from test_faults import DraftProcess  # Ray at import: not for the GPU test's machine (scripts/gpu_check.sh)
+
+    target = DraftProcess("target", tmp_path_factory.mktemp("real-target") / "target.log")
+    target.role, target.serving_timeout_s = "target", 300
+    target.extra_args = ("--engine", "transformers", "--threads", "2")  # both cores: the last --threads wins
+    target.spawn()
+    channel = grpc.aio.insecure_channel(target.address)
+    try:
+        await target.serving()
+        remote = SimpleNamespace(target_server=None, target=target_pb2_grpc.TargetServiceStub(channel))
+        services = await serve_draft_beside(lambda limits: TransformersEngine(real_draft), remote)
+        yield services
+        await services.close()
+    finally:
+        await channel.close()
+        target.kill()
+
+
+def test_draft_and_target_share_one_tokenizer(real_draft, target_tokenizer):
+    draft, target = real_draft.tokenizer, target_tokenizer
+    assert draft.get_vocab() == target.get_vocab()
+    assert draft.all_special_tokens == target.all_special_tokens
+    assert draft.all_special_ids == target.all_special_ids
+    assert tokenizer_fingerprint(draft) == tokenizer_fingerprint(target)
     text = "def f(x):\n    return {'π': x ** 2}  # ✓ <|im_end|>"
-    assert draft.tokenizer.encode(text) == target.tokenizer.encode(text)
+    assert draft.encode(text) == target.encode(text)
     # The output layers (logits per position) have the same rows, padded past len(tokenizer).
-    assert draft.vocab_size == target.vocab_size == VOCAB_SIZE
-    assert len(target.tokenizer) <= VOCAB_SIZE
+    assert real_draft.vocab_size == VOCAB_SIZE
+    assert len(target) <= VOCAB_SIZE
 
 
-def test_target_greedy_continuation_is_code(greedy_reference, real_float32):
+def test_target_greedy_continuation_is_code(greedy_reference, target_tokenizer):
     # Greedy is prefix-stable, so the first 24 of the 32 generated tokens are generate(24)'s.
     prompt_ids, continuation = greedy_reference["def fibonacci(n):"]
     assert prompt_ids and len(continuation) >= 24
-    text = real_float32["target"].tokenizer.decode(continuation[:24])
+    text = target_tokenizer.decode(continuation[:24])
     assert text.strip(), "empty continuation"
     assert "return" in text or "if" in text, f"not code: {text!r}"
 
 
-async def test_services_describe_a_matched_pair(real_services, real_float32):
+async def test_services_describe_a_matched_pair(real_services, real_draft, target_tokenizer):
     draft = await real_services.draft.Info(common_pb2.InfoRequest())
     target = await real_services.target.Info(common_pb2.InfoRequest())
     assert (draft.role, target.role) == ("draft", "target")
     assert draft.vocab_size == target.vocab_size == VOCAB_SIZE
     assert draft.tokenizer_fingerprint == target.tokenizer_fingerprint
-    assert target.tokenizer_fingerprint == tokenizer_fingerprint(real_float32["target"].tokenizer)
+    assert target.tokenizer_fingerprint == tokenizer_fingerprint(target_tokenizer)
     assert draft.dtype == target.dtype == "float32"
-    assert list(draft.eos_token_ids) == list(target.eos_token_ids) == real_float32["target"].eos_token_ids
+    assert list(draft.eos_token_ids) == list(target.eos_token_ids) == real_draft.eos_token_ids
+    assert real_draft.eos_token_ids
 
 
 @pytest.mark.parametrize("k", [1, 4])
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["fibonacci", "softmax", "iso8601"])
 async def test_greedy_speculation_over_grpc_emits_the_targets_own_tokens(
-    real_services, real_float32, greedy_reference, prompt, k
+    real_services, real_draft, target_tokenizer, greedy_reference, prompt, k
 ):
     prompt_ids, expected = greedy_reference[prompt]
-    eos = set(real_float32["target"].eos_token_ids)
-    decode = real_float32["target"].tokenizer.decode
+    eos = set(real_draft.eos_token_ids)  # the target's, test_services_describe_a_matched_pair
+    decode = target_tokenizer.decode
     emitted, steps, accepted = await speculate(real_services, f"real-{k}-{prompt[:12]}", prompt_ids, k, eos)
     assert emitted == expected, (
         f"K={k}: speculation diverged from plain greedy at token "

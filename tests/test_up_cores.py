@@ -5,18 +5,13 @@ flags win, and a service on a GPU is left out of the share."""
 
 import argparse
 import os
-import signal
-import subprocess
-import sys
-import time
 
-import psutil
 import pytest
 
 from specd.cli import build_parser
 from specd.cli.common import UserError
 from specd.cli.up import run, service_threads
-from specd.deploy.local import SHARED_CORES_ENV, share_cores, usable_cores
+from specd.deploy.local import share_cores, usable_cores
 
 
 @pytest.mark.parametrize("cores, draft", [(1, 1), (2, 1), (4, 1), (16, 4)])
@@ -66,54 +61,6 @@ def test_specd_up_refuses_fewer_than_one_thread(flags):
 def test_specd_up_on_a_cluster_takes_no_per_service_threads():
     with pytest.raises(UserError, match="--draft-threads"):
         run(up_args("--ray-address", "auto", "--draft-threads", "1"))
-
-
-def test_specd_up_starts_its_services_with_their_share_of_the_cores(tiny_dirs, tmp_path):
-    """The real command: the children's command lines carry the threads the rule gives on this machine,
-    and their environment OMP_WAIT_POLICY=PASSIVE; the orchestrator gets neither."""
-    from specd.deploy.local import free_port
-
-    ports = [free_port() for _ in range(7)]
-    flags = ("--port", "--http-port", "--draft-port", "--target-port")
-    flags += ("--metrics-port", "--draft-metrics-port", "--target-metrics-port")
-    command = [sys.executable, "-m", "specd.cli", "up", "--dtype", "float32", "--workers", "1"]
-    command += ["--draft-model", str(tiny_dirs["draft"]), "--target-model", str(tiny_dirs["target"])]
-    command += ["--device", "cpu", "--draft-device", "cpu", "--cuda-graphs", "off"]
-    command += [item for pair in zip(flags, map(str, ports)) for item in pair]
-    env = {name: value for name, value in os.environ.items() if name != "OMP_WAIT_POLICY"}
-    log = tmp_path / "up.log"
-    up = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=log.open("w"), stdin=subprocess.DEVNULL, text=True, env=env
-    )
-    services: dict[str, psutil.Process] = {}
-    try:
-        lines = []
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline and (line := up.stdout.readline()):
-            lines.append(line.rstrip())
-            if line.startswith("ready:"):
-                break
-        assert lines and lines[-1].startswith("ready:"), "\n".join(lines) + log.read_text()[-3000:]
-        for child in psutil.Process(up.pid).children():
-            argv = child.cmdline()
-            services[argv[argv.index("serve") + 1]] = child
-        expected = share_cores(usable_cores())
-        for role in ("draft", "target"):
-            argv = services[role].cmdline()
-            assert "--threads" in argv, argv
-            assert int(argv[argv.index("--threads") + 1]) == expected[role], (role, argv)
-            assert services[role].environ().get("OMP_WAIT_POLICY") == SHARED_CORES_ENV["OMP_WAIT_POLICY"]
-        assert "--threads" not in services["orchestrator"].cmdline()
-        assert "OMP_WAIT_POLICY" not in services["orchestrator"].environ()
-    finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            up.wait(60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            up.wait()
-    gone, alive = psutil.wait_procs(list(services.values()), timeout=30)
-    assert not alive, "specd up must stop its services"
 
 
 @pytest.mark.parametrize(

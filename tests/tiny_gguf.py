@@ -36,8 +36,10 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[rest]}"
 
 
-def write_tiny_gguf(hf_dir: Path, out: Path, tokenizer: list[tuple]) -> Path:
-    """`tokenizer`: tokenizer_fields of a GGUF with the same tokenizer."""
+def write_tiny_gguf(hf_dir: Path, out: Path, tokenizer: list[tuple], output: bool = True) -> Path:
+    """`tokenizer`: tokenizer_fields of a GGUF with the same tokenizer, or [] for the weights alone.
+    `output`: an output.weight of its own (untied, as the default pair's GGUFs have it); without, the
+    embedding serves as output."""
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     config = model.config
     rope = getattr(config, "rope_theta", None) or config.rope_parameters["rope_theta"]
@@ -54,11 +56,14 @@ def write_tiny_gguf(hf_dir: Path, out: Path, tokenizer: list[tuple]) -> Path:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     for key, value, kind, sub_type in tokenizer:
         writer.add_key_value(key, value, kind, sub_type=sub_type)
+    if not tokenizer:  # weights alone (reading 151,936 tokens' strings takes a GGUF reader seconds)
+        writer.add_vocab_size(config.vocab_size)
     state = model.state_dict()
     for name, tensor in state.items():
         if name != "lm_head.weight":
             writer.add_tensor(gguf_name(name), tensor.contiguous().numpy())
-    writer.add_tensor("output.weight", model.get_output_embeddings().weight.detach().contiguous().numpy())
+    if output:
+        writer.add_tensor("output.weight", model.get_output_embeddings().weight.detach().contiguous().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
