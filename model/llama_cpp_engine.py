@@ -142,6 +142,9 @@ class LlamaCppEngine:
         if exactness == "batched":  # every scored position of a pass in one call: ggml's gemm from 4 rows
             self.repacked, self.call_tokens = not ggml_has_amx(), BATCH_TOKENS
             self._load(gguf, self.repacked, threads, sessions, session_tokens)
+        elif (probed := _probed(gguf, threads, sessions, session_tokens)) in EXACT_FOUND:
+            self.repacked, self.call_tokens = EXACT_FOUND[probed]
+            self._load(gguf, self.repacked, threads, sessions, session_tokens)
         else:
             for repacked, call_tokens in exact_settings():
                 self._load(gguf, repacked, threads, sessions, session_tokens)
@@ -152,6 +155,7 @@ class LlamaCppEngine:
             else:  # no setting scores several positions as decode steps do: one per call always does
                 self._load(gguf, False, threads, sessions, session_tokens)
                 self.repacked, self.call_tokens = False, 1
+            EXACT_FOUND[probed] = self.repacked, self.call_tokens
         self.prefixes_exact = self._prefix_exact()
         weights = "repacked" if self.repacked else "plain"
         log.info(
@@ -381,6 +385,17 @@ def ggml_has_amx() -> bool:
     """Whether ggml here would put weights in its AMX buffer type, which crashes (module docstring)."""
     llama.llama_backend_init()
     return b"AMX_INT8 = 1" in llama.llama_print_system_info()
+
+
+# What the probe (`_exact`) found, by _probed's key: a fact of the file, this CPU and llama.cpp build, the
+# threads and the context's shape, so a process that loads the same model again (a restarted service in
+# the same process, the tests) takes it without loading each setting again.
+EXACT_FOUND: dict[tuple, tuple[bool, int]] = {}
+
+
+def _probed(gguf: Path, threads: int, sessions: int, session_tokens: int) -> tuple:
+    stat = Path(gguf).stat()
+    return str(Path(gguf).resolve()), stat.st_size, stat.st_mtime_ns, threads, sessions, session_tokens
 
 
 def exact_settings() -> tuple[tuple[bool, int], ...]:

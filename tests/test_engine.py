@@ -263,6 +263,7 @@ def test_llama_cpp_verify_scores_as_decode_steps(tiny_gguf):
 def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_per_call(tiny_gguf, monkeypatch):
     """The self-test at load (model/llama_cpp_engine.py: EXACT_SETTINGS) decides, not an assumption:
     a setting it refuses is unloaded and the next one tried; with none, one position per call."""
+    monkeypatch.setattr(llama_cpp_engine, "EXACT_FOUND", {})  # no verdict kept from an earlier load
     tried = []
     exact = LlamaCppEngine._exact
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: tried.append(engine.call_tokens) or exact(engine))
@@ -272,6 +273,7 @@ def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_
     # The tiny float32 GGUF's matmuls take tiled kernels for several rows: no setting is bit-exact.
     assert tried == [calls for _, calls in settings] and (engine.repacked, engine.call_tokens) == (False, 1)
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: engine.call_tokens == EXACT_SETTINGS[1][1])
+    llama_cpp_engine.EXACT_FOUND.clear()
     engine = llama_cpp(tiny_gguf)
     assert (engine.repacked, engine.call_tokens) == EXACT_SETTINGS[1]
     assert not engine.description.padded  # its passes cost what their rows hold (model/scheduler.py)
@@ -351,3 +353,20 @@ def test_llama_cpp_seq_ids_stay_compact_and_a_pass_runs_in_seq_id_order(tiny_ggu
     calls = llama_cpp_engine._calls(rows, starts, 512, sequences)
     assert calls == [[(1, 0), (1, 1)], [(2, 0), (1, 2), (0, 0), (0, 1)]]  # b's head first, then e, b, d
     assert llama_cpp_engine._calls(rows, starts, 3, sequences)[1:] == [[(2, 0), (1, 2), (0, 0)], [(0, 1)]]
+
+
+def test_llama_cpp_probes_a_model_once_per_process_and_shape(tiny_gguf, monkeypatch):
+    """What the exactness probe found is kept per file, threads and context shape: the same model
+    loaded again takes the same settings without probing; another shape probes again."""
+    monkeypatch.setattr(llama_cpp_engine, "EXACT_FOUND", {})
+    first = llama_cpp(tiny_gguf)
+    assert list(llama_cpp_engine.EXACT_FOUND.values()) == [(first.repacked, first.call_tokens)]
+    with monkeypatch.context() as patched:
+        patched.setattr(LlamaCppEngine, "_exact", lambda engine: pytest.fail("probed again"))
+        again = llama_cpp(tiny_gguf)
+    assert (again.repacked, again.call_tokens) == (first.repacked, first.call_tokens)
+    assert_same(feed(again, "a", PROMPTS[0]), feed(first, "a", PROMPTS[0]))
+    probes = []
+    monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: probes.append(engine) or False)
+    llama_cpp(tiny_gguf, max_sessions=3)
+    assert probes and len(llama_cpp_engine.EXACT_FOUND) == 2  # another context shape: its own probe
