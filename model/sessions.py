@@ -136,9 +136,13 @@ class SessionStore:
 
     def truncate(self, session: Session, length: int) -> None:
         """Roll back: forget every token from `length` on. The engine is told even when the store
-        holds no more, so a new session never inherits KV under its id."""
+        holds no more, so a new session never inherits KV under its id. The next row starts at
+        `length`: none of its tokens is held from the prefix store any more (a restore whose opening
+        pass failed must not make the next call from token 0 skip them), and of the tokens the
+        opening call took from the store at most `length` are left."""
         del session.tokens[length:]
         self.engine.crop(session.session_id, length)
+        session.skip, session.reused = 0, min(session.reused, length)
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """The engine's forward pass (model/engine.py), each row's tokens then recorded as held. A

@@ -156,3 +156,26 @@ def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
     opening(cached, "again", tokens(115, 2 * B + 5))  # the last one is still held
     assert cached.sessions["again"].reused == 2 * B
     cached.release("again")
+
+
+def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(llama, monkeypatch):
+    """Issue 49 (1): a session opened from a kept prefix whose opening pass fails holds the restored
+    tokens and would skip them in its next row; the next call from token 0 (the draft resends its
+    Propose from 0) rolls back to 0 and computes every token, bit for bit as a fresh prefill."""
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    prompt = tokens(16, 2 * B + 6)
+    opening(cached, "seed", prompt)
+    cached.sync(Cursor("again", 0, 0, prompt))
+    assert cached.sessions["again"].skip == 2 * B
+    with monkeypatch.context() as failing:
+        failing.setattr(llama, "forward", lambda rows: (_ for _ in ()).throw(RuntimeError("a pass failed")))
+        with pytest.raises(RuntimeError):
+            cached.forward([Row("again", prompt, 1)])
+    cached.sync(Cursor("again", 0, 0, prompt))  # the retry, from token 0
+    session = cached.sessions["again"]
+    assert (session.skip, session.reused, session.tokens) == (0, 0, [])
+    logits = cached.forward([Row("again", prompt, 1)])[0]
+    assert torch.equal(logits, opening(fresh, "fresh", prompt)) and session.tokens == prompt
+    for session_id in ("seed", "again"):
+        cached.release(session_id)
+    fresh.release("fresh")
