@@ -19,6 +19,14 @@ from specd.target_service.server import create_target_server
 from specd.target_service.verifier import Verifier
 from specd.v1 import draft_pb2_grpc, target_pb2_grpc
 
+
+def pytest_collection_modifyitems(config, items):
+    """The real pair's tests after all others, those over the session's llama.cpp pair (`real_stack`)
+    last of all: the pair, loaded once, is then held by no other test's process memory, and
+    tests/test_real_pair.py's float32 draft has gone before it loads. The order is otherwise kept."""
+    items.sort(key=lambda item: (item.get_closest_marker("real") is not None, "real_stack" in item.fixturenames))
+
+
 # Tiny models use the real Qwen2.5 tokenizer (scripts/test.sh fetches the pair first), so
 # their vocabulary, ids and text behave exactly like the real pair's. SPECD_TEST_TOKENIZER names a
 # folder holding just its files, for a machine with no model cache (scripts/gpu_check.sh).
