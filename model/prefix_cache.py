@@ -43,6 +43,7 @@ class PrefixStats:
     bytes: int = 0  # the snapshots' size
     evictions: int = 0  # entries evicted for the budget (not those a longer one replaced)
     budget_tokens: int = 0
+    failures: int = 0  # snapshots and restores that ran out of memory: those calls ran without the store
 
 
 @dataclass(eq=False)
@@ -68,7 +69,7 @@ class PrefixCache:
         self.budget_tokens = max(0, budget_tokens)
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.index: dict[bytes, set[int]] = {}  # chain hash -> ids of the entries holding that prefix
-        self.hit_tokens = self.miss_tokens = self.evictions = 0
+        self.hit_tokens = self.miss_tokens = self.evictions = self.failures = 0
         self.tokens = self.bytes = 0
         self._next_id = 0
 
@@ -146,6 +147,14 @@ class PrefixCache:
             pass
         return dropped
 
+    def failed(self, entry: Entry | None = None) -> None:
+        """A snapshot or a restore (of `entry`, which is dropped) ran out of memory: counted, and the
+        call goes on without the store."""
+        self.failures += 1
+        entry_id = next((key for key, held in self.entries.items() if held is entry), None)
+        if entry_id is not None:
+            self._drop(entry_id)
+
     def _drop(self, entry_id: int) -> None:
         entry = self.entries.pop(entry_id)
         for digest in entry.chain:
@@ -166,4 +175,5 @@ class PrefixCache:
             self.bytes,
             self.evictions,
             self.budget_tokens,
+            self.failures,
         )

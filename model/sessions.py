@@ -79,10 +79,17 @@ class SessionStore:
 
     def _reuse(self, session: Session, cursor: Cursor) -> Session:
         """Start a new session from the longest prefix of its tokens the store holds (never all of
-        them: the call computes at least its last token)."""
+        them: the call computes at least its last token). A restore that runs out of memory drops
+        that entry and the call computes the prefix itself: the store never fails a call."""
         entry, length = self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)
         if entry is not None:
-            self.engine.restore(session.session_id, entry.snapshot, length)
+            try:
+                self.engine.restore(session.session_id, entry.snapshot, length)
+            except (CapacityExceeded, MemoryError):  # no room for the copy: the call computes it all
+                self.engine.release(session.session_id)
+                self.prefix.failed(entry)
+                entry, length = None, 0
+        if entry is not None:
             session.tokens, session.reused = list(cursor.tokens[:length]), length
             session.skip = length
         self.prefix.count(length, len(cursor.tokens))
@@ -206,7 +213,8 @@ class SessionStore:
             if length:
                 try:
                     copy = self.engine.snapshot(session_id, length)
-                except CapacityExceeded:  # no memory for the copy: the call that ran keeps its result
+                except (CapacityExceeded, MemoryError):  # no memory for the copy: the call that ran keeps its result
+                    self.prefix.failed()
                     continue
                 self.prefix.insert(session.salt, session.tokens[:length], copy)
 

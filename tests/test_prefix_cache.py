@@ -179,3 +179,32 @@ def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(ll
     for session_id in ("seed", "again"):
         cached.release(session_id)
     fresh.release("fresh")
+
+
+def test_a_restore_or_a_snapshot_out_of_memory_never_fails_the_call(llama, monkeypatch):
+    """Issue 49 (2): a restore that runs out of memory drops its entry and the call computes the
+    prefix itself, bit for bit as a fresh prefill; a snapshot that runs out of memory keeps nothing
+    and the call keeps its result. Both are counted."""
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    prompt = tokens(17, 2 * B + 3)
+    opening(cached, "seed", prompt)
+    assert cached.prefix.stats().entries == 1
+    with monkeypatch.context() as short:
+        short.setattr(llama, "restore", lambda *args: (_ for _ in ()).throw(MemoryError("no host memory")))
+        logits = opening(cached, "restored", prompt)
+    assert torch.equal(logits, opening(fresh, "fresh", prompt))
+    session = cached.sessions["restored"]
+    assert session.reused == 0 and session.tokens == prompt
+    cached.release("seed")
+    cached.release("restored")
+    stats = cached.prefix.stats()
+    assert stats.failures == 1 and stats.hit_tokens == 0 and stats.entries in (0, 1)  # dropped, then kept anew
+    cached.prefix.clear()
+    with monkeypatch.context() as short:
+        short.setattr(llama, "snapshot", lambda *args: (_ for _ in ()).throw(MemoryError("no host memory")))
+        logits = opening(cached, "unkept", prompt)
+    assert torch.equal(logits, opening(fresh, "fresh again", prompt))
+    assert cached.prefix.stats().failures == 2 and cached.prefix.stats().entries == 0
+    cached.release("unkept")
+    for session_id in ("fresh", "fresh again"):
+        fresh.release(session_id)
