@@ -3,7 +3,8 @@
 transformers' own path (`from_pretrained(gguf_file=..., GgufConfig(dequantize=True))`, then
 `save_pretrained`) holds the whole float32 model, then a serialized copy of it: 8.7 GiB at its peak
 for the 1.5B target, whose GGUF unties the output layer (7.1 GB of float32). This keeps one shard at
-a time instead (SHARD_BYTES, about 1.5 GB at the peak for the target) and writes the same files:
+a time instead (SHARD_BYTES; a tensor larger than that is a shard of its own), 3.9 GiB at the peak
+for the target with the GGUF's pages and torch (AMD EPYC Zen 4), and writes the same files:
 the same tensors under the same names (transformers' GGUF name map and tensor processors, on a model
 built on the meta device), config.json and generation_config.json as `save_pretrained` writes them,
 and a safetensors index over the shards. tests/test_fetch.py compares it with transformers' path.

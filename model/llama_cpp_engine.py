@@ -285,11 +285,8 @@ class LlamaCppEngine:
         return [torch.from_numpy(logits) for logits in out]
 
     def _allocate(self, session_id: str) -> None:
-        self.sequences[session_id], self.lengths[session_id], self.canonical[session_id] = (
-            heapq.heappop(self.free),
-            0,
-            0,
-        )
+        self.sequences[session_id] = heapq.heappop(self.free)
+        self.lengths[session_id] = self.canonical[session_id] = 0
 
     def _decode(self, rows: list[Row], starts: list[int], out: list[np.ndarray], call: list[tuple[int, int]]) -> None:
         """One llama_decode of the (row index, offset in its tokens) positions of `call`."""

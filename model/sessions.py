@@ -88,10 +88,9 @@ class SessionStore:
             except (CapacityExceeded, MemoryError):  # no room for the copy: the call computes it all
                 self.engine.release(session.session_id)
                 self.prefix.failed(entry)
-                entry, length = None, 0
-        if entry is not None:
-            session.tokens, session.reused = list(cursor.tokens[:length]), length
-            session.skip = length
+                length = 0
+            else:
+                session.tokens, session.reused, session.skip = list(cursor.tokens[:length]), length, length
         self.prefix.count(length, len(cursor.tokens))
         return session
 

@@ -191,20 +191,29 @@ async def serve_draft_beside(make_draft, services: Services, limits: Limits = Li
 
 
 @contextlib.asynccontextmanager
-async def real_draft_process(services: Services, log_path: Path, *flags: str):
-    """`specd serve draft` on the real draft (`flags`: its engine, quantization) in a process of its
-    own, in front of the target of `services`: the real pair's transformers weights never load into
-    the test process beside the session's llama.cpp pair (tests/test_real_pair.py's module aside)."""
-    from test_faults import DraftProcess
+async def real_service_process(role: str, log_path: Path, *flags: str):
+    """`specd serve <role>` on the real `role` (`flags`: its engine, quantization) in a process of its
+    own, on both cores, until the block ends: the real pair's transformers weights never load into the
+    test process beside the session's llama.cpp pair."""
+    from test_faults import DraftProcess  # Ray at import: not for the GPU test's machine (scripts/gpu_check.sh)
 
-    draft = DraftProcess("draft", log_path)
-    draft.extra_args, draft.serving_timeout_s = (*flags, "--threads", "2"), 300  # the last --threads wins
-    draft.spawn()
+    service = DraftProcess(role, log_path)
+    service.role, service.serving_timeout_s = role, 300
+    service.extra_args = (*flags, "--threads", "2")  # the last --threads wins
+    service.spawn()
     try:
-        await draft.serving()
-        yield DraftBeside(draft, services)
+        await service.serving()
+        yield service
     finally:
-        draft.kill()
+        service.kill()
+
+
+@contextlib.asynccontextmanager
+async def real_draft_process(services: Services, log_path: Path, *flags: str):
+    """The real draft in a `specd serve draft` process (real_service_process) in front of the target
+    of `services`."""
+    async with real_service_process("draft", log_path, *flags) as draft:
+        yield DraftBeside(draft, services)
 
 
 @pytest.fixture

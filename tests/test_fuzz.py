@@ -16,7 +16,6 @@ import json
 import grpc
 import numpy as np
 import pytest
-import test_openai_api
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from test_openai_api import http, sessions_released
@@ -232,7 +231,6 @@ test_fuzz_target_service = fuzz_service("target", ["Verify", "Decode"])
 
 # -- the OpenAI-compatible HTTP API -----------------------------------------------------------------
 
-tiny_http = test_openai_api.tiny_http  # its fixture: the tiny stack's orchestrator, serving HTTP too
 HTTP_FUZZ = settings(
     max_examples=60, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
 )
@@ -314,7 +312,7 @@ def json_body(data, chat: bool, model: str) -> dict:
 @HTTP_FUZZ
 @given(data=st.data())
 async def test_fuzz_http_api_never_answers_5xx(tiny_http, path, data):
-    _, base, model = tiny_http
+    base, model = tiny_http
     kind = data.draw(st.sampled_from(["object"] * 8 + ["any", "bytes"]))
     if kind == "bytes":
         body = data.draw(st.binary(max_size=40))
@@ -334,8 +332,8 @@ async def test_fuzz_http_api_never_answers_5xx(tiny_http, path, data):
         assert json.loads(text)["choices"][0]["finish_reason"] in ("length", "stop"), text
 
 
-async def test_after_the_http_fuzzing_the_api_serves_and_holds_no_session(tiny_http):
-    stack, base, model = tiny_http
+async def test_after_the_http_fuzzing_the_api_serves_and_holds_no_session(tiny_stack, tiny_http):
+    stack, (base, model) = tiny_stack, tiny_http
     body = {"model": model, "prompt": "def f(x):", "max_tokens": 4, "ignore_eos": True}
     status, text = await http("POST", f"{base}/v1/completions", body)
     assert status == 200 and json.loads(text)["usage"]["completion_tokens"] == 4

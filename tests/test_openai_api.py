@@ -1,10 +1,10 @@
 """The OpenAI-compatible HTTP API: the official `openai` client against it, greedy output equal to
-the gRPC API's, OpenAI-style 400s for what specd does not do, and the Prometheus counters
-consistent with the per-request stats."""
+the gRPC API's, streamed or not, over the real pair too; a token and TLS; a client that leaves or
+is refused; cache_salt and cached tokens. Its requests' 400s are tests/test_openai_request.py's, the
+Prometheus counters tests/test_metrics.py's."""
 
 import asyncio
 import json
-import re
 import shutil
 import ssl
 import subprocess
@@ -17,7 +17,6 @@ from transformers import AutoTokenizer
 
 from specd.orchestrator.core import STEP_FIELDS
 from specd.orchestrator.openai_api import HttpApi
-from specd.proto.metrics import start_exporter
 from specd.v1 import common_pb2, specdecode_pb2
 
 PROMPT = "def quicksort(arr):"
@@ -26,15 +25,6 @@ CHAT = [
     {"role": "system", "content": "You are a terse assistant."},
     {"role": "user", "content": "Write a Python function that reverses a string."},
 ]
-
-
-@pytest.fixture(scope="module")
-async def tiny_http(tiny_stack):
-    """The tiny stack's orchestrator, also serving HTTP on a free port."""
-    http = HttpApi(tiny_stack.orchestrator.core)
-    port = await http.start("127.0.0.1", 0)
-    yield tiny_stack, f"http://127.0.0.1:{port}", http.api.model_name
-    await http.stop()
 
 
 def client(base: str) -> openai.AsyncOpenAI:
@@ -85,8 +75,8 @@ def chat_prompt_ids(model_dir) -> list[int]:
     return list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
-async def test_openai_completion_equals_grpc_greedy(tiny_http):
-    stack, base, model = tiny_http
+async def test_openai_completion_equals_grpc_greedy(tiny_stack, tiny_http):
+    stack, (base, model) = tiny_stack, tiny_http
     expected, final = await grpc_generate(stack, 16, prompt=PROMPT)
     completion = await client(base).completions.create(
         model=model, prompt=PROMPT, max_tokens=16, temperature=0, extra_body={"ignore_eos": True}
@@ -121,8 +111,8 @@ async def test_openai_completion_equals_grpc_greedy(tiny_http):
     assert ahead.choices[0].text == expected and stats["ahead_steps"] > 0  # drafted ahead, output unchanged
 
 
-async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
-    stack, base, model = tiny_http
+async def test_openai_streamed_chat_equals_grpc_greedy(tiny_stack, tiny_http, tiny_dirs):
+    stack, (base, model) = tiny_stack, tiny_http
     expected, _ = await grpc_generate(stack, 12, prompt_token_ids=chat_prompt_ids(tiny_dirs["target"]))
     stream = await client(base).chat.completions.create(
         model=model,
@@ -147,7 +137,7 @@ async def test_openai_streamed_chat_equals_grpc_greedy(tiny_http, tiny_dirs):
 
 
 async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_http):
-    stack, base, model = tiny_http
+    base, model = tiny_http
     openai_client = client(base)
     whole = await openai_client.chat.completions.create(
         model=model,
@@ -188,7 +178,7 @@ async def test_chat_and_completion_without_stream_and_with_stream_agree(tiny_htt
 
 
 async def test_server_sent_events_end_with_done(tiny_http):
-    _, base, model = tiny_http
+    base, model = tiny_http
     status, body = await http(
         "POST",
         f"{base}/v1/completions",
@@ -200,183 +190,6 @@ async def test_server_sent_events_end_with_done(tiny_http):
     chunks = [json.loads(event) for event in events[:-1]]
     assert all(chunk["object"] == "text_completion" for chunk in chunks)
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and "specd" in chunks[-1]
-
-
-async def test_models_health_and_wrong_model(tiny_http):
-    _, base, model = tiny_http
-    status, body = await http("GET", f"{base}/v1/models")
-    assert status == 200 and [entry["id"] for entry in json.loads(body)["data"]] == [model]
-    assert await http("GET", f"{base}/health") == (200, '{"status":"ok"}')
-    status, body = await http("POST", f"{base}/v1/completions", {"model": "gpt-4", "prompt": "hi"})
-    assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found"
-
-
-@pytest.mark.parametrize(
-    "path, fields, param, fragment",
-    [
-        ("completions", {"n": 0}, "n", "integer >= 1"),
-        ("completions", {"specd": {"draft_ahead": "maybe"}}, "specd.draft_ahead", "one of auto, on, off"),
-        ("completions", {"specd": {"drafter": "oracle"}}, "specd.drafter", "one of hybrid, model, ngram, suffix"),
-        ("completions", {"n": 100}, "n", "at most 16"),
-        ("completions", {"n": 9, "prompt": ["a", "b"]}, "n", "x 2 prompts asks for 18 choices"),
-        ("completions", {"best_of": 3}, "best_of", "choices it returns"),
-        ("completions", {"echo": "yes"}, "echo", "true or false"),
-        ("completions", {"logprobs": 6}, "logprobs", "0..5"),
-        ("completions", {"logprobs": True}, "logprobs", "0..5"),
-        ("completions", {"top_logprobs": 2}, "top_logprobs", "unknown field"),
-        ("completions", {"suffix": "}"}, "suffix", "suffix"),
-        ("completions", {"logit_bias": {"42": 500}}, "logit_bias", "[-100, 100]"),  # served: tests/test_penalties.py
-        ("completions", {"presence_penalty": 2.5}, "presence_penalty", "[-2, 2]"),
-        ("completions", {"guided_json": {}}, "guided_json", "unknown field"),
-        ("completions", {"temperature": -1}, "temperature", ">= 0"),
-        ("completions", {"temperature": "hot"}, "temperature", "finite number"),
-        ("completions", {"top_p": 0}, "top_p", "(0, 1]"),
-        ("completions", {"max_tokens": 0}, "max_tokens", ">= 1"),
-        ("completions", {"seed": -1}, "seed", "seed"),
-        ("completions", {"stop": 5}, "stop", "stop"),
-        ("completions", {"prompt": ["one", 5]}, "prompt", "a list of those"),
-        ("completions", {"prompt": ["ok", [5, 2**32]]}, "prompt", "prompt[1] token id"),
-        ("completions", {"prompt": ""}, None, "empty"),
-        ("completions", {"max_tokens": 100_000}, "max_tokens", "exceeds the 4096 tokens"),
-        ("completions", {"max_tokens": 10**20}, "max_tokens", "exceeds the 4096 tokens"),  # beyond a uint32
-        ("completions", {"max_tokens": 4000, "prompt": [13] * 200}, None, "exceeds"),  # prompt + output: the core
-        ("completions", {"specd": {"draft_tokens": 99}}, "specd.draft_tokens", "K=99"),
-        ("completions", {"specd": {"draft_tokens": 2**40}}, "specd.draft_tokens", "above the largest"),
-        ("completions", {"specd": {"k": 2}}, "specd.k", "draft_tokens"),
-        ("completions", {"specd": {"trace": "yes"}}, "specd.trace", "true or false"),
-        ("completions", {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
-        (
-            "completions",
-            {"stream": True, "stream_options": {"include_usage": "yes"}},
-            "stream_options",
-            "true or false",
-        ),
-        # Lone surrogates: valid JSON ("\ud800"), but no Unicode, so no UTF-8 for the tokenizer (was a 500).
-        (
-            "completions",
-            {"prompt": "\ud800"},
-            "prompt",
-            "`prompt` is not valid Unicode: it holds a lone surrogate at index 0",
-        ),
-        ("completions", {"prompt": "ok\udfff"}, "prompt", "lone surrogate at index 2"),
-        ("completions", {"stop": ["end", "\ud800"]}, "stop[1]", "not valid Unicode"),
-        ("completions", {"user": "\udc00"}, "user", "not valid Unicode"),
-        ("completions", {"model": "\ud800"}, "model", "not valid Unicode"),
-        ("completions", {"\ud800": 1}, "\\ud800", "the field name `\\ud800` is not valid Unicode"),
-        # Values no uint32 or float32 of the GenerateRequest could carry (were 500s).
-        ("completions", {"prompt": [5, 2**32]}, "prompt", "outside the vocabulary"),
-        ("completions", {"top_k": 2**32}, "top_k", "[-1, 2^32)"),
-        ("completions", {"temperature": 1e39}, "temperature", "float32"),
-        ("completions", {"model": 5}, "model", "must be a string"),
-        ("completions", {"user": ["me"]}, "user", "must be a string"),
-        ("completions", {"cache_salt": "s" * 257}, "cache_salt", "cache_salt must be at most 256 characters"),
-        ("chat/completions", {"cache_salt": 7}, "cache_salt", "must be a string"),
-        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tool calling"),
-        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "structured"),
-        ("chat/completions", {"n": 17}, "n", "at most 16"),
-        ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "0..20"),
-        ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs `logprobs: true`"),
-        ("chat/completions", {"logprobs": 3}, "logprobs", "true or false"),
-        ("chat/completions", {"echo": True}, "echo", "unknown field"),
-        ("chat/completions", {"messages": []}, "messages", "non-empty"),
-        (
-            "chat/completions",
-            {"messages": [{"role": "user", "content": "\ud800"}]},
-            "messages[0].content",
-            "`messages[0].content` is not valid Unicode: it holds a lone surrogate at index 0",
-        ),
-        (
-            "chat/completions",
-            {"messages": [{"role": "user", "content": [{"type": "text", "text": "a\ud800"}]}]},
-            "messages[0].content[0].text",
-            "lone surrogate at index 1",
-        ),
-        (
-            "chat/completions",
-            {"messages": [{"role": "wizard", "content": "hi"}]},
-            "messages[0].role",
-            '`messages[0].role` = "wizard" is not a chat role: use system, user, assistant, developer',
-        ),
-        ("chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, "messages[0].role", "no tool calls"),
-        (
-            "chat/completions",
-            {"messages": [{"role": "user", "content": "hi", "name": 7}]},
-            "messages[0].name",
-            "string",
-        ),
-        ("chat/completions", {"max_completion_tokens": 2, "max_tokens": "many"}, "max_tokens", "integer >= 1"),
-        (
-            "chat/completions",
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
-            "messages[0].content",
-            "no images",
-        ),
-    ],
-)
-async def test_unsupported_fields_and_bad_values_answer_400(tiny_http, path, fields, param, fragment):
-    _, base, model = tiny_http
-    body = {"model": model, "max_tokens": 4}
-    body.update({"messages": CHAT} if path.startswith("chat") else {"prompt": PROMPT})
-    body.update(fields)
-    status, text = await http("POST", f"{base}/v1/{path}", body)
-    error = json.loads(text)["error"]
-    assert status == 400, text
-    assert error["type"] == "invalid_request_error" and error["param"] == param
-    assert fragment in error["message"], error["message"]
-
-
-async def test_defaults_and_nulls_are_accepted(tiny_http):
-    _, base, model = tiny_http
-    status, text = await http(
-        "POST",
-        f"{base}/v1/completions",
-        {
-            "model": model,
-            "prompt": PROMPT,
-            "max_tokens": 3,
-            "n": 1,
-            "logprobs": None,
-            "echo": False,
-            "presence_penalty": 0,
-            "logit_bias": {},
-            "user": "someone",
-            "stop": None,
-        },
-    )
-    assert status == 200, text
-    assert json.loads(text)["usage"]["completion_tokens"] <= 3
-    status, text = await http("POST", f"{base}/v1/completions", b"{not json")
-    assert status == 400 and "not valid JSON" in json.loads(text)["error"]["message"]
-
-
-@pytest.mark.parametrize(
-    "body, says",
-    [
-        (b"[" * 100_000 + b"]" * 100_000, "not valid JSON"),  # deeper than the parser recurses (was a 500)
-        (b'{"prompt": "\xed\xa0\x80"}', "lone surrogate"),  # a surrogate's would-be UTF-8 bytes
-        ('{"prompt": "\ud800"}'.encode("utf-16-le", "surrogatepass"), "lone surrogate"),  # UTF-16, as JSON may be
-        (b"\xff\xfe\xfd", "not valid JSON"),
-        (b"[1, 2]", "must be a JSON object"),
-        (b"null", "must be a JSON object"),
-    ],
-)
-async def test_bodies_that_do_not_parse_into_a_request_answer_400(tiny_http, body, says):
-    _, base, _ = tiny_http
-    for path in ("completions", "chat/completions"):
-        status, text = await http("POST", f"{base}/v1/{path}", body)
-        assert status == 400 and says in json.loads(text)["error"]["message"], text
-
-
-async def test_a_developer_message_is_a_system_message(tiny_http):
-    """The target's template knows no `developer` role (it would drop the message): it is rendered as `system`."""
-    _, base, model = tiny_http
-    answers = []
-    for role in ("developer", "system"):
-        completion = await client(base).chat.completions.create(
-            model=model, messages=[{"role": role, "content": "Be terse."}, CHAT[1]], max_tokens=4, temperature=0
-        )
-        answers.append((completion.choices[0].message.content, completion.usage.prompt_tokens))
-    assert answers[0] == answers[1]
 
 
 def scrape(text: str) -> dict[str, float]:
@@ -391,69 +204,6 @@ def scrape(text: str) -> dict[str, float]:
 
 def delta(after: dict, before: dict, name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
-
-
-async def test_metrics_agree_with_the_per_request_stats(tiny_http):
-    stack, base, model = tiny_http
-    before = scrape((await http("GET", f"{base}/metrics"))[1])
-    openai_client = client(base)
-    stats = []
-    for k, prompt in ((4, PROMPT), (2, "The capital of France is"), (6, "import numpy as np\n")):
-        completion = await openai_client.completions.create(
-            model=model,
-            prompt=prompt,
-            max_tokens=14,
-            temperature=0,
-            extra_body={"ignore_eos": True, "specd": {"draft_tokens": k}},
-        )
-        stats.append(completion.model_extra["specd"])
-    _, final = await grpc_generate(stack, 9, k=3, prompt=PROMPT)
-    assert (await http("POST", f"{base}/v1/completions", {"prompt": PROMPT, "n": 0}))[0] == 400  # refused by parse
-    assert (await http("POST", f"{base}/v1/completions", {"prompt": ""}))[0] == 400  # refused by the core
-    after = scrape((await http("GET", f"{base}/metrics"))[1])
-
-    accepted = sum(s["accepted"] for s in stats) + final.stats.accepted
-    assert delta(after, before, "specd_spec_decode_num_accepted_tokens_total") == accepted > 0
-    assert (
-        delta(after, before, "specd_spec_decode_num_draft_tokens_total")
-        == sum(s["drafted"] for s in stats) + final.stats.drafted
-    )
-    drafts = delta(after, before, "specd_spec_decode_num_drafts_total")
-    assert drafts == sum(s["drafting_steps"] for s in stats) + final.stats.drafting_steps > 0
-    per_position = [0] * 6
-    for accepted_per_position in [s["accepted_per_position"] for s in stats] + [final.stats.accepted_per_position]:
-        for position, count in enumerate(accepted_per_position):
-            per_position[position] += count
-    for position, count in enumerate(per_position):
-        name = f'specd_spec_decode_num_accepted_tokens_per_pos_total{{position="{position}"}}'
-        assert delta(after, before, name) == count, position
-    assert delta(after, before, 'specd_requests_total{api="http",outcome="length"}') == 3
-    assert delta(after, before, 'specd_requests_total{api="grpc",outcome="length"}') == 1
-    assert delta(after, before, 'specd_requests_total{api="http",outcome="INVALID_ARGUMENT"}') == 2
-    assert delta(after, before, "specd_e2e_request_latency_seconds_count") == 4
-    assert delta(after, before, "specd_time_to_first_token_seconds_count") == 4
-    assert delta(after, before, "specd_generation_tokens_total") == 3 * 14 + 9
-    steps = sum(s["steps"] for s in stats) + final.stats.steps
-    assert delta(after, before, 'specd_step_seconds_count{phase="verify"}') == steps
-    assert delta(after, before, 'specd_step_seconds_count{phase="network"}') == steps
-    assert after["specd_requests_running"] == 0
-
-
-async def test_services_export_calls_sessions_and_batches(tiny_http):
-    stack, _, _ = tiny_http
-    await grpc_generate(stack, 6, prompt=PROMPT)
-    for server, method in ((stack.services.draft_server, "Propose"), (stack.services.target_server, "Verify")):
-        exporter = start_exporter(server.metrics.registry, "127.0.0.1", 0)
-        try:
-            status, text = await http("GET", f"http://127.0.0.1:{exporter.server_port}/metrics")
-        finally:
-            exporter.shutdown()
-        samples = scrape(text)
-        assert status == 200
-        assert samples[f'specd_service_calls_total{{code="OK",method="{method}"}}'] > 0
-        assert samples[f'specd_service_call_seconds_count{{method="{method}"}}'] > 0
-        assert "specd_sessions_open" in samples and "specd_queue_depth" in samples
-        assert re.search(r'specd_batch_size_bucket\{le="\+Inf"\}', text)
 
 
 @pytest.mark.real
@@ -556,9 +306,9 @@ async def sessions_released(stack, timeout_s: float = 20.0) -> bool:
     return False
 
 
-async def test_a_client_that_leaves_cancels_its_request(tiny_http):
+async def test_a_client_that_leaves_cancels_its_request(tiny_stack, tiny_http):
     """Streamed or not, a dropped connection stops generation and frees both services' sessions."""
-    stack, base, model = tiny_http
+    stack, (base, model) = tiny_stack, tiny_http
     port = int(base.rsplit(":", 1)[1])
     before = scrape((await http("GET", f"{base}/metrics"))[1])
     long = {"model": model, "prompt": PROMPT, "max_tokens": 3000, "temperature": 0, "ignore_eos": True}
@@ -581,9 +331,9 @@ async def test_a_client_that_leaves_cancels_its_request(tiny_http):
     assert delta(after, before, "specd_generation_tokens_total") == 0
 
 
-async def test_a_refused_request_gets_its_http_status_streamed_or_not(tiny_http):
+async def test_a_refused_request_gets_its_http_status_streamed_or_not(tiny_stack, tiny_http):
     """RESOURCE_EXHAUSTED from the pool (here: a limit of 0 requests in flight) is HTTP 429."""
-    stack, base, model = tiny_http
+    stack, (base, model) = tiny_stack, tiny_http
     pool = stack.orchestrator.pool
     saved, pool.max_requests = pool.max_requests, 0
     try:

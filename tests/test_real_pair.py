@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import grpc
 import pytest
 import torch
-from conftest import requires_gpu, serve_draft_beside, start_services
+from conftest import real_service_process, requires_gpu, serve_draft_beside, start_services
 from transformers import AutoTokenizer
 
 from specd.model.loading import load_model, tokenizer_fingerprint
@@ -80,22 +80,13 @@ def real_draft():
 async def real_services(real_draft, greedy_reference, tmp_path_factory):
     """The draft served from this process, the target by `specd serve target` (after the reference's
     process has ended: the two never hold 7 GB each at once)."""
-    from test_faults import DraftProcess  # Ray at import: not for the GPU test's machine (scripts/gpu_check.sh)
-
-    target = DraftProcess("target", tmp_path_factory.mktemp("real-target") / "target.log")
-    target.role, target.serving_timeout_s = "target", 300
-    target.extra_args = ("--engine", "transformers", "--threads", "2")  # both cores: the last --threads wins
-    target.spawn()
-    channel = grpc.aio.insecure_channel(target.address)
-    try:
-        await target.serving()
-        remote = SimpleNamespace(target_server=None, target=target_pb2_grpc.TargetServiceStub(channel))
-        services = await serve_draft_beside(lambda limits: TransformersEngine(real_draft), remote)
-        yield services
-        await services.close()
-    finally:
-        await channel.close()
-        target.kill()
+    log = tmp_path_factory.mktemp("real-target") / "target.log"
+    async with real_service_process("target", log, "--engine", "transformers") as target:
+        async with grpc.aio.insecure_channel(target.address) as channel:
+            remote = SimpleNamespace(target_server=None, target=target_pb2_grpc.TargetServiceStub(channel))
+            services = await serve_draft_beside(lambda limits: TransformersEngine(real_draft), remote)
+            yield services
+            await services.close()
 
 
 def test_draft_and_target_share_one_tokenizer(real_draft, target_tokenizer):

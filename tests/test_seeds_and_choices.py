@@ -11,7 +11,7 @@ import json
 import grpc
 import pytest
 import torch
-from test_openai_api import http, tiny_http  # noqa: F401 (a fixture)
+from test_openai_api import http
 from test_orchestrator import generate
 from transformers import AutoModelForCausalLM
 
@@ -80,8 +80,8 @@ async def test_unseeded_grpc_requests_differ_and_the_reported_seed_reproduces_ea
     assert (await generate(tiny_stack.client, grpc_request(temperature=1.0, seed=12345)))[0] == given[0]
 
 
-async def test_unseeded_http_requests_differ_and_the_reported_seed_reproduces_each(tiny_http):  # noqa: F811
-    _, base, _ = tiny_http
+async def test_unseeded_http_requests_differ_and_the_reported_seed_reproduces_each(tiny_http):
+    base, _ = tiny_http
     answers = [await post(base, "completions", prompt=PROMPT, temperature=1.0) for _ in range(2)]
     seeds = [answer["choices"][0]["seed"] for answer in answers]
     texts = [answer["choices"][0]["text"] for answer in answers]
@@ -98,8 +98,8 @@ async def test_unseeded_http_requests_differ_and_the_reported_seed_reproduces_ea
 # -- several choices ---------------------------------------------------------------------------
 
 
-async def test_n_choices_differ_and_each_equals_a_single_request_with_its_seed(tiny_http):  # noqa: F811
-    _, base, _ = tiny_http
+async def test_n_choices_differ_and_each_equals_a_single_request_with_its_seed(tiny_http):
+    base, _ = tiny_http
     for seed in (None, 100):
         body = {"prompt": PROMPT, "temperature": 1.0, "n": 3, **({} if seed is None else {"seed": seed})}
         answer = await post(base, "completions", **body)
@@ -116,8 +116,8 @@ async def test_n_choices_differ_and_each_equals_a_single_request_with_its_seed(t
             assert answer["usage"]["prompt_tokens"] == single["usage"]["prompt_tokens"]  # the prompt counts once
 
 
-async def test_two_prompts_times_two_choices_come_in_openai_order(tiny_http):  # noqa: F811
-    stack, base, _ = tiny_http
+async def test_two_prompts_times_two_choices_come_in_openai_order(tiny_stack, tiny_http):
+    stack, (base, _) = tiny_stack, tiny_http
     ids = stack.orchestrator.core.tokenizer.encode(OTHER, add_special_tokens=False).ids
     answer = await post(base, "completions", prompt=[PROMPT, ids], n=2, temperature=0)
     choices = answer["choices"]
@@ -135,8 +135,8 @@ async def test_two_prompts_times_two_choices_come_in_openai_order(tiny_http):  #
     }
 
 
-async def test_streamed_choices_carry_their_index_and_equal_the_whole_answer(tiny_http):  # noqa: F811
-    _, base, _ = tiny_http
+async def test_streamed_choices_carry_their_index_and_equal_the_whole_answer(tiny_http):
+    base, _ = tiny_http
     body = {"prompt": PROMPT, "temperature": 1.0, "seed": 9, "n": 2}
     whole = await post(base, "completions", **body)
     chunks = await sse(base, "completions", stream_options={"include_usage": True}, **body)
@@ -182,8 +182,8 @@ async def test_greedy_logprobs_are_the_targets_own_with_speculation_on_and_off(t
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "top_logprobs" in refused.value.details()
 
 
-async def test_http_logprobs_and_echo(tiny_http, target_logprobs):  # noqa: F811
-    stack, base, _ = tiny_http
+async def test_http_logprobs_and_echo(tiny_stack, tiny_http, target_logprobs):
+    stack, (base, _) = tiny_stack, tiny_http
     tokenizer = stack.orchestrator.core.tokenizer
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=False).ids
     plain = (await post(base, "completions", prompt=PROMPT, temperature=0, logprobs=2))["choices"][0]
@@ -208,8 +208,8 @@ async def test_http_logprobs_and_echo(tiny_http, target_logprobs):  # noqa: F811
     assert "".join(chunk["choices"][0]["text"] for chunk in chunks) == echoed["text"]
 
 
-async def test_chat_logprobs_streamed_or_not(tiny_http):  # noqa: F811
-    _, base, _ = tiny_http
+async def test_chat_logprobs_streamed_or_not(tiny_http):
+    base, _ = tiny_http
     body = {"messages": [{"role": "user", "content": "hi"}], "temperature": 0, "logprobs": True, "top_logprobs": 2}
     whole = (await post(base, "chat/completions", **body))["choices"][0]
     content = whole["logprobs"]["content"]
