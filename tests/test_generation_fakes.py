@@ -13,6 +13,7 @@ from test_remote_session import (
     Code,
     FakeService,
     Tokenless,
+    collected,
     draft_rule,
     error,
     target_only,
@@ -42,14 +43,7 @@ async def generate(
         deadline=deadline,
         cache_salt=cache_salt,
     )
-    generation = Generation(request, draft, target, Tokenless(), set(), POLICY, gate)
-    tokens, finished = [], None
-    async for event in generation.run():
-        if hasattr(event, "token_ids"):
-            tokens += event.token_ids
-        else:
-            finished = event
-    return tokens, finished
+    return await collected(Generation(request, draft, target, Tokenless(), set(), POLICY, gate))
 
 
 @pytest.mark.parametrize("k", [0, 1, 3, 8, None])

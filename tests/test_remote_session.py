@@ -461,3 +461,14 @@ def target_only(max_new_tokens: int) -> list[int]:
     for _ in range(max_new_tokens):
         tokens.append(target_rule(tokens))
     return tokens[len(PROMPT) :]
+
+
+async def collected(generation) -> tuple[list[int], object]:
+    """What a Generation emitted: its tokens, and its final event."""
+    tokens, finished = [], None
+    async for event in generation.run():
+        if hasattr(event, "token_ids"):
+            tokens += event.token_ids
+        else:
+            finished = event
+    return tokens, finished

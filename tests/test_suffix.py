@@ -6,7 +6,7 @@ import asyncio
 import numpy as np
 from test_drafters import REPEATS, with_drafter
 from test_orchestrator import generate, request
-from test_remote_session import POLICY, PROMPT, FakeService, Tokenless, target_only, target_rule
+from test_remote_session import POLICY, PROMPT, FakeService, Tokenless, collected, target_only, target_rule
 
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.lookup import PromptLookup
@@ -163,12 +163,7 @@ async def run_suffix(recent: RecentOutputs, max_new_tokens: int = 30):
     generation = Generation(
         request, FakeService(target_rule), FakeService(target_rule), Tokenless(), set(), POLICY, recent=recent
     )
-    tokens, finished = [], None
-    async for event in generation.run():
-        if hasattr(event, "token_ids"):
-            tokens += event.token_ids
-        else:
-            finished = event
+    tokens, finished = await collected(generation)
     return tokens, finished.stats
 
 
