@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import pytest
 from conftest import SERVICE_ENGINES, serve_engines
-from test_remote_session import Tokenless
+from fake_services import Tokenless
 from test_services import GREEDY, cursor, expect_status, prefill
 
 from specd.orchestrator import adaptive

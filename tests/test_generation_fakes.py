@@ -6,7 +6,7 @@ and cached prompt tokens on every cursor."""
 import time
 
 import pytest
-from test_remote_session import (
+from fake_services import (
     POLICY,
     PROMPT,
     SESSION,

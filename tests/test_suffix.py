@@ -4,9 +4,9 @@ and end to end: greedy output is the target's whoever guessed."""
 import asyncio
 
 import numpy as np
+from fake_services import POLICY, PROMPT, FakeService, Tokenless, collected, target_only, target_rule
 from test_drafters import REPEATS, with_drafter
 from test_orchestrator import generate, request
-from test_remote_session import POLICY, PROMPT, FakeService, Tokenless, collected, target_only, target_rule
 
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.lookup import PromptLookup
