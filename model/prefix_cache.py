@@ -91,8 +91,8 @@ class PrefixCache:
         if found is None:
             return None, 0
         entry = self.entries[found]
-        if entry.tokens[:length] != tuple(tokens[:length]):  # a hash collision: never serve other tokens
-            return None, 0
+        if entry.salt != salt or entry.tokens[:length] != tuple(tokens[:length]):
+            return None, 0  # a hash collision: never serve another tenant's prefix, nor other tokens
         self.entries.move_to_end(found)
         return entry, length
 

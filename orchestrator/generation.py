@@ -105,7 +105,7 @@ class Generation:
         elif request.drafter != "model":  # suffix, and hybrid's lookup source (it measured the better)
             # Other requests' outputs only when greedy: a seeded sample stays a function of the request alone
             # (the guesses decide which draws are made, docs/architecture.md §3 rule 4)
-            self.lookup = SuffixDrafter(recent if request.temperature <= 0 else None)
+            self.lookup = SuffixDrafter(recent if request.temperature <= 0 else None, salt=request.cache_salt)
         if self.lookup:
             self.lookup.extend(self.committed)
         self.draft_in_step = True  # the draft holds all but the last step's tokens: its time is a pure K-token time
@@ -151,7 +151,7 @@ class Generation:
             yield self.finished(reason, time.perf_counter() - started)
         finally:
             if self.recent is not None:  # what the target committed, however the request ended
-                self.recent.add(self.committed[len(request.prompt_ids) :])
+                self.recent.add(self.committed[len(request.prompt_ids) :], request.cache_salt)
             with tracing.current(self.span):  # the Release calls belong to the request's trace
                 await asyncio.shield(self.release())
             self.span.end()

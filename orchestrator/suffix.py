@@ -12,7 +12,8 @@ three different tokens is not.
 Two sources of counts, summed for the longest suffix either has seen:
 - the request's own tokens (prompt + output), indexed as they are committed, as lookup.py does;
 - its worker's recent outputs (`RecentOutputs`, one per orchestrator worker as ServiceCosts is),
-  bounded by a token budget, the oldest output evicted first, counts and all. Only outputs, what a
+  bounded by a token budget, the oldest output evicted first, counts and all; indexed per cache salt,
+  so a tenant learns only from its own outputs. Only outputs, what a
   target committed: they say how the model writes (the boilerplate and idioms it repeats across
   requests); another request's prompt says how that user wrote, and a few long prompts would fill
   the budget.
@@ -96,27 +97,37 @@ class SuffixCounts:
 
 
 class RecentOutputs:
-    """A worker's suffix counts over its latest requests' outputs, at most `budget` tokens of them:
-    adding one past the budget evicts the oldest outputs, counts and all."""
+    """A worker's suffix counts over its latest requests' outputs, one index per cache salt, at most
+    `budget` tokens of them in all: adding one past the budget evicts the oldest outputs, whoever's,
+    counts and all. A request's drafter reads only its own salt's index: a tenant's guesses, and so
+    its speed, never depend on another tenant's outputs (the unsalted requests share one)."""
 
     def __init__(self, budget: int = RECENT_BUDGET_TOKENS, lengths: tuple[int, ...] = SUFFIX_LENGTHS):
         self.budget = budget
-        self.counts = SuffixCounts(lengths)
-        self.outputs: deque[list[int]] = deque()
+        self.lengths = lengths
+        self.by_salt: dict[str, SuffixCounts] = {}  # cache_salt -> the counts of its outputs kept
+        self.outputs: deque[tuple[str, list[int]]] = deque()  # (salt, output), oldest first
         self.tokens = 0  # in self.outputs
 
-    def add(self, output: list[int]) -> None:
+    def add(self, output: list[int], salt: str = "") -> None:
         """A finished request's output (the target's tokens); one longer than the budget keeps its tail."""
         output = list(output[max(0, len(output) - self.budget) :]) if self.budget else []
         if len(output) <= MIN_NGRAM:
             return  # no context with a token after it
-        self.counts.add(output)
-        self.outputs.append(output)
+        self.by_salt.setdefault(salt, SuffixCounts(self.lengths)).add(output)
+        self.outputs.append((salt, output))
         self.tokens += len(output)
         while self.tokens > self.budget:
-            oldest = self.outputs.popleft()
-            self.counts.remove(oldest)
+            owner, oldest = self.outputs.popleft()
+            self.by_salt[owner].remove(oldest)
+            if not self.by_salt[owner].next:
+                del self.by_salt[owner]
             self.tokens -= len(oldest)
+
+    def get(self, context: tuple[int, ...], salt: str = "") -> Counts | None:
+        """What followed `context` in the outputs of requests with this salt, and how often."""
+        counts = self.by_salt.get(salt)
+        return counts.get(context) if counts else None
 
 
 class SuffixDrafter:
@@ -128,8 +139,10 @@ class SuffixDrafter:
         recent: RecentOutputs | None = None,
         lengths: tuple[int, ...] = SUFFIX_LENGTHS,
         min_confidence: float = MIN_CONFIDENCE,
+        salt: str = "",
     ):
         self.recent = recent
+        self.salt = salt  # the request's cache_salt: only its tenant's recent outputs are read
         self.min_confidence = min_confidence
         self.tokens: list[int] = []
         self.own = SuffixCounts(lengths)
@@ -166,7 +179,7 @@ class SuffixDrafter:
             if n > len(context):
                 continue
             suffix = tuple(context[len(context) - n :])
-            own, earlier = self.own.get(suffix), self.recent.counts.get(suffix) if self.recent else None
+            own, earlier = self.own.get(suffix), self.recent.get(suffix, self.salt) if self.recent else None
             if own and earlier:
                 merged = dict(earlier)
                 for token, count in own.items():

@@ -20,10 +20,30 @@ from specd.target_service.verifier import Verifier
 from specd.v1 import draft_pb2_grpc, target_pb2_grpc
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--phase",
+        choices=("parallel", "serial"),
+        default=None,
+        help="scripts/test.sh's two runs: `parallel` (under pytest-xdist) takes the tests that may share the "
+        "machine with another test, `serial` the rest (the real pair's and those marked serial)",
+    )
+
+
+def runs_alone(item) -> bool:
+    return item.get_closest_marker("real") is not None or item.get_closest_marker("serial") is not None
+
+
 def pytest_collection_modifyitems(config, items):
-    """The real pair's tests after all others, those over the session's llama.cpp pair (`real_stack`)
-    last of all: the pair, loaded once, is then held by no other test's process memory, and
-    tests/test_real_pair.py's float32 draft has gone before it loads. The order is otherwise kept."""
+    """With --phase, the half of the tests that phase runs. The real pair's tests after all others,
+    those over the session's llama.cpp pair (`real_stack`) last of all: the pair, loaded once, is then
+    held by no other test's process memory, and tests/test_real_pair.py's float32 draft has gone before
+    it loads. The order is otherwise kept."""
+    if phase := config.getoption("--phase"):
+        keep = [item for item in items if runs_alone(item) == (phase == "serial")]
+        if dropped := [item for item in items if runs_alone(item) != (phase == "serial")]:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
     items.sort(key=lambda item: (item.get_closest_marker("real") is not None, "real_stack" in item.fixturenames))
 
 

@@ -106,6 +106,7 @@ def test_hf_lookup_is_greedy_and_reports_its_settings(tiny_loaded):
 # ---------------------------------------------------------------- end to end on the tiny stack
 
 
+@pytest.mark.serial  # a busy machine lets every Propose miss its deadline: nothing drafted, no c
 async def test_bench_on_the_tiny_stack(tiny_stack, tiny_loaded, tmp_path):
     prompts, kinds = systems.load_prompts(bench_cli_default_prompts())
     settings = systems.BenchSettings(

@@ -1,15 +1,32 @@
 """The console command end to end: `specd generate` starts draft, target and orchestrator as
 processes (on tiny models), streams, compares with target-only, and stops everything."""
 
+import asyncio
 import json
+import os
 import subprocess
 import sys
+import uuid
 
 import psutil
 
 
-def specd(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specd.cli", *args], capture_output=True, text=True, timeout=timeout)
+def specd(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "specd.cli", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """The processes whose environment carries SPECD_TEST_MARK=mark: one command's and its children's,
+    whatever else runs on the machine (another test's services beside this one)."""
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if process.environ().get("SPECD_TEST_MARK") == mark:
+                found.append(process)
+        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+            pass
+    return found
 
 
 def test_help_lists_every_command():
@@ -20,7 +37,7 @@ def test_help_lists_every_command():
 
 
 def test_generate_json_on_an_embedded_stack_matches_target_only(tiny_dirs):
-    before = {p.pid for p in psutil.process_iter()}
+    mark = uuid.uuid4().hex  # inherited by the services the embedded stack starts
     result = specd(
         "generate",
         "def fibonacci(n):",
@@ -33,6 +50,7 @@ def test_generate_json_on_an_embedded_stack_matches_target_only(tiny_dirs):
         str(tiny_dirs["draft"]),
         "--target-model",
         str(tiny_dirs["target"]),
+        env={**os.environ, "SPECD_TEST_MARK": mark},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     output = json.loads(result.stdout)
@@ -43,29 +61,27 @@ def test_generate_json_on_an_embedded_stack_matches_target_only(tiny_dirs):
     assert len(stats["draft_lengths"]) == stats["steps"] and sum(stats["draft_lengths"]) == stats["drafted"] > 0
     assert 0 <= output["stats"]["acceptance_rate"] <= 1
     assert output["baseline"]["same_text"] is True  # greedy speculative == target-only
-    leftovers = [
-        p
-        for p in psutil.process_iter(["cmdline"])
-        if p.pid not in before
-        and "specd" in " ".join(p.info["cmdline"] or [])
-        and "serve" in " ".join(p.info["cmdline"] or [])
-    ]
+    leftovers = marked(mark)
     assert not leftovers, "the embedded stack must stop all its processes"
 
 
-def test_bad_request_is_a_clear_error_not_a_traceback(tiny_dirs):
-    result = specd(
+async def test_bad_request_is_a_clear_error_not_a_traceback(tiny_stack):
+    """The server's INVALID_ARGUMENT, shown as one line and exit 2: against the session's running stack
+    (`--server`), which answers it as an embedded stack would, without starting one for a refusal."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "specd.cli",
         "generate",
         "hi",
         "--max-new-tokens",
         "0",
-        "--dtype",
-        "float32",
-        "--draft-model",
-        str(tiny_dirs["draft"]),
-        "--target-model",
-        str(tiny_dirs["target"]),
+        "--server",
+        f"127.0.0.1:{tiny_stack.orchestrator.port}",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
-    assert result.returncode == 2
-    assert "INVALID_ARGUMENT" in result.stderr and "max_new_tokens" in result.stderr
-    assert "Traceback" not in result.stderr
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 2
+    assert b"INVALID_ARGUMENT" in stderr and b"max_new_tokens" in stderr
+    assert b"Traceback" not in stderr

@@ -30,6 +30,10 @@ from specd.target_service.server import create_target_server
 from specd.target_service.verifier import Verifier
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
+# Deadlines of half a second and less, and calls timed against them: on a machine shared with another
+# test, a Propose misses its deadline or no target call starts within a 1.5 s request.
+pytestmark = pytest.mark.serial
+
 PROMPT = "def quicksort(arr):"
 POLICY = FaultPolicy(propose_timeout_s=0.5, call_timeout_s=5.0, target_retry_s=2.0, draft_backoff_s=(0.2, 1.0))
 

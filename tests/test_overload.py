@@ -92,6 +92,7 @@ async def test_a_refusal_for_load_says_when_to_retry_over_grpc_and_http(limited)
     assert await overload.drained(*addresses) == (0, 0)
 
 
+@pytest.mark.serial  # it measures the capacity, then latencies against it: nothing else may change the machine
 async def test_twice_the_capacity_admits_about_capacity_and_refuses_the_rest_at_once(limited):
     client, _, orchestrator, addresses = limited
     report = await overload.run_scenario(client, SETTINGS, LIMIT, seconds=12.0, capacity_seconds=5.0)

@@ -38,6 +38,20 @@ def test_a_lookup_finds_the_longest_whole_block_prefix_under_its_salt_only():
     assert cache.lookup("", other, most=10 * B)[1] == B
 
 
+def test_a_hash_collision_serves_neither_other_tokens_nor_another_tenants_prefix(monkeypatch):
+    """The chain's digests collide (forced: one digest per depth, whatever the salt and the tokens):
+    the lookup checks the entry's own salt and tokens, and finds nothing."""
+    from specd.model import prefix_cache
+
+    monkeypatch.setattr(prefix_cache, "chain_hashes", lambda salt, tokens, blocks: [bytes([d]) for d in range(blocks)])
+    cache = PrefixCache(budget_tokens=10 * B)
+    prompt = tokens(1, 2 * B)
+    cache.insert("tenant-a", prompt, Copy(100))
+    assert cache.lookup("tenant-a", prompt, most=2 * B)[1] == 2 * B
+    assert cache.lookup("tenant-b", prompt, most=2 * B) == (None, 0)  # the same tokens, another tenant
+    assert cache.lookup("tenant-a", tokens(2, 2 * B), most=2 * B) == (None, 0)  # other tokens
+
+
 def test_only_leaves_are_kept_a_longer_prefix_replaces_the_one_it_extends():
     cache = PrefixCache(budget_tokens=10 * B)
     chat = tokens(4, 5 * B)

@@ -2,6 +2,7 @@
 and end to end: greedy output is the target's whoever guessed."""
 
 import asyncio
+from collections import deque
 
 import numpy as np
 from fake_services import POLICY, PROMPT, FakeService, Tokenless, collected, target_only, target_rule
@@ -97,6 +98,10 @@ def recent_outputs(*outputs: list[int], budget: int = 1000) -> RecentOutputs:
     return recent
 
 
+def kept(recent: RecentOutputs) -> list[list[int]]:
+    return [output for _, output in recent.outputs]
+
+
 def test_another_requests_output_is_found():
     recent = recent_outputs([20, 21, 22, 23, 24, 25])
     assert drafter([1, 2, 3, 21, 22], recent).propose(3) == [23, 24, 25]
@@ -117,7 +122,7 @@ def test_the_longest_suffix_wins_across_sources():
 def test_the_recent_outputs_stay_within_their_budget_oldest_evicted_first():
     first, second, third = [30, 31, 32, 33], [40, 41, 42, 43], [50, 51, 52, 53]
     recent = recent_outputs(first, second, third, budget=10)
-    assert list(recent.outputs) == [second, third] and recent.tokens == 8
+    assert kept(recent) == [second, third] and recent.tokens == 8
     assert drafter([30, 31], recent).propose(2) == []  # evicted: its continuation is no longer guessed
     assert drafter([40, 41], recent).propose(2) == [42, 43]
 
@@ -128,19 +133,43 @@ def test_eviction_removes_exactly_the_evicted_outputs_counts():
     rng = np.random.default_rng(1)
     outputs = [rng.integers(0, 5, size=int(rng.integers(3, 40))).tolist() for _ in range(30)]
     recent = recent_outputs(*outputs, budget=200)
-    kept = list(recent.outputs)
-    assert 0 < len(kept) < len(outputs) and recent.tokens <= 200
-    assert recent.counts.next == recent_outputs(*kept).counts.next
-    for output in kept:
-        recent.counts.remove(output)
-    assert recent.counts.next == {}
+    left = kept(recent)
+    assert 0 < len(left) < len(outputs) and recent.tokens <= 200
+    assert recent.by_salt[""].next == recent_outputs(*left).by_salt[""].next
+    for output in left:
+        recent.by_salt[""].remove(output)
+    assert recent.by_salt[""].next == {}
 
 
 def test_an_output_longer_than_the_budget_keeps_its_tail():
     recent = recent_outputs(list(range(100, 120)), budget=5)
-    assert list(recent.outputs) == [list(range(115, 120))] and recent.tokens == 5
+    assert kept(recent) == [list(range(115, 120))] and recent.tokens == 5
     assert drafter([116, 117], recent).propose(3) == [118, 119]
     assert recent_outputs([1, 2], budget=5).tokens == 0  # no context with a token after it
+
+
+def test_a_tenant_reads_only_its_own_salts_outputs():
+    """Issue 49 (5): a salted request's guesses, and so its speed, never depend on another tenant's
+    outputs; the unsalted requests share theirs."""
+    recent = RecentOutputs(1000)
+    recent.add([20, 21, 22, 23, 24], salt="a")
+    recent.add([30, 31, 32, 33, 34])
+    assert drafter([1, 21, 22], recent, salt="a").propose(2) == [23, 24]
+    assert drafter([1, 21, 22], recent, salt="b").propose(2) == []
+    assert drafter([1, 21, 22], recent).propose(2) == []  # unsalted: not tenant a's either
+    assert drafter([1, 31, 32], recent).propose(2) == [33, 34]
+    assert drafter([1, 31, 32], recent, salt="a").propose(2) == []
+
+
+def test_one_budget_for_every_salt_the_oldest_output_evicted_whoever_wrote_it():
+    recent = RecentOutputs(10)
+    recent.add([40, 41, 42, 43], salt="a")
+    recent.add([50, 51, 52, 53], salt="b")
+    recent.add([60, 61, 62, 63], salt="b")
+    assert recent.outputs == deque([("b", [50, 51, 52, 53]), ("b", [60, 61, 62, 63])]) and recent.tokens == 8
+    assert "a" not in recent.by_salt  # its last output gone: no empty index left behind
+    assert drafter([40, 41], recent, salt="a").propose(2) == []
+    assert drafter([50, 51], recent, salt="b").propose(2) == [52, 53]
 
 
 def test_a_context_followed_once_is_stored_as_its_token():
@@ -156,9 +185,14 @@ def test_a_context_followed_once_is_stored_as_its_token():
 # -- in a generation loop -------------------------------------------------------------------------
 
 
-async def run_suffix(recent: RecentOutputs, max_new_tokens: int = 30):
+async def run_suffix(recent: RecentOutputs, max_new_tokens: int = 30, salt: str = ""):
     request = GenerationRequest(
-        prompt_ids=list(PROMPT), max_new_tokens=max_new_tokens, draft_tokens=4, drafter="suffix", ignore_eos=True
+        prompt_ids=list(PROMPT),
+        max_new_tokens=max_new_tokens,
+        draft_tokens=4,
+        drafter="suffix",
+        ignore_eos=True,
+        cache_salt=salt,
     )
     generation = Generation(
         request, FakeService(target_rule), FakeService(target_rule), Tokenless(), set(), POLICY, recent=recent
@@ -172,11 +206,24 @@ async def test_a_finished_requests_output_guides_the_next_request_on_its_worker(
     writing the same finds it there and guesses nearly every token. The target decides either way."""
     recent = RecentOutputs()
     first, first_stats = await run_suffix(recent)
-    assert list(recent.outputs) == [first] == [target_only(30)]
+    assert kept(recent) == [first] == [target_only(30)]
     second, second_stats = await run_suffix(recent)
     assert second == first
     assert second_stats.lookup_accepted >= 20 > first_stats.lookup_accepted
     assert second_stats.steps < first_stats.steps and second_stats.drafted == second_stats.lookup_drafted
+
+
+async def test_another_tenants_output_guides_nothing():
+    """The same second request under another cache salt finds nothing of the first's output: it
+    drafts from its own tokens alone, as the first did (the same steps), and its output is the same."""
+    recent = RecentOutputs()
+    first, first_stats = await run_suffix(recent, salt="tenant-a")
+    assert kept(recent) == [first] and list(recent.by_salt) == ["tenant-a"]
+    second, second_stats = await run_suffix(recent, salt="tenant-b")
+    assert second == first
+    assert (second_stats.steps, second_stats.lookup_accepted) == (first_stats.steps, first_stats.lookup_accepted)
+    third, third_stats = await run_suffix(recent, salt="tenant-a")  # its own tenant's: found
+    assert third == first and third_stats.steps < first_stats.steps
 
 
 # -- end to end on the tiny stack -----------------------------------------------------------------
