@@ -42,6 +42,7 @@ class Snapshot(Protocol):
     """An engine's copy of a prefix's KV (opaque to its callers)."""
 
     nbytes: int  # the memory it takes
+    held_tokens: int  # the KV positions it holds: those it may restore, or more (a whole llama.cpp sequence)
 
 
 class Engine(Protocol):
@@ -74,6 +75,10 @@ class Engine(Protocol):
         """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""
 
     # The prefix store (model/prefix_cache.py). An engine without these three keeps no prefixes.
+    # `copies_take_kv_memory`: its copies sit in the memory the sessions' KV grows into (a GPU's), so the
+    # session store empties the prefix store before a pass refuses for room; where the KV is allocated up
+    # front (llama.cpp) emptying it frees nothing a pass could use.
+    copies_take_kv_memory: bool
 
     def reusable(self, session_id: str) -> int:
         """How many leading tokens of the session's KV a fresh prefill of the same tokens would

@@ -116,6 +116,8 @@ log = logging.getLogger(__name__)
 
 
 class LlamaCppEngine:
+    copies_take_kv_memory = False  # the KV cells are allocated at start; the prefix store's copies are in host RAM
+
     def __init__(
         self,
         gguf: Path,
@@ -342,7 +344,7 @@ class LlamaCppEngine:
         written = llama.llama_state_seq_get_data(self.context, data, size, sequence)
         if written == 0:
             raise RuntimeError(f"llama.cpp could not copy the state of session {session_id!r}")
-        return SequenceState(data, written, length)
+        return SequenceState(data, written, length, self.lengths[session_id])
 
     def restore(self, session_id: str, snapshot: "SequenceState", length: int) -> None:
         """A new sequence for the session, filled from the snapshot and cut to `length` tokens."""
@@ -376,6 +378,7 @@ class SequenceState:
     data: ctypes.Array
     nbytes: int
     length: int  # its leading tokens that may be restored
+    held_tokens: int  # the whole sequence's: llama.cpp copies a sequence whole (the tail and drafts too)
 
 
 def ggml_has_amx() -> bool:

@@ -14,8 +14,11 @@ a prompt's leading blocks (one copy each way: llama.cpp keeps a sequence's KV in
 which cannot be shared in place), and only leaves are kept: an entry whose blocks another entry of
 the same salt extends is dropped for it (a chat's turn replaces the last turn's).
 
-Bounded: entries are evicted least recently used first under `budget_tokens`; 0 turns the store
-off. It never makes a call fail: the session store empties it before refusing for room.
+Bounded: entries are evicted least recently used first under `budget_tokens`, counted as the KV
+positions each copy holds, not only those it may restore (a llama.cpp copy is its whole sequence: the
+prompt's last partial block and a verify's drafts with it); 0 turns the store off. It never makes a
+call fail: a copy that finds no memory is not kept, a restore that finds none is computed instead, and
+where the copies take the sessions' memory (a GPU) the session store empties it before refusing for room.
 Not thread-safe: the model thread is its only caller.
 """
 
@@ -38,8 +41,8 @@ class PrefixStats:
     hit_tokens: int = 0  # prompt tokens new sessions took from the store
     miss_tokens: int = 0  # prompt tokens new sessions computed (the store on)
     entries: int = 0
-    blocks: int = 0  # BLOCK_TOKENS-token blocks held, over all entries
-    tokens: int = 0
+    blocks: int = 0  # BLOCK_TOKENS-token blocks that may be restored, over all entries
+    tokens: int = 0  # KV positions the copies hold (what counts against the budget): the blocks' and more
     bytes: int = 0  # the snapshots' size
     evictions: int = 0  # entries evicted for the budget (not those a longer one replaced)
     budget_tokens: int = 0
@@ -50,8 +53,13 @@ class PrefixStats:
 class Entry:
     salt: str
     tokens: tuple[int, ...]  # a whole number of blocks
-    snapshot: Any  # the engine's copy of their KV (has .nbytes)
+    snapshot: Any  # the engine's copy of their KV (model/engine.py Snapshot: .nbytes, .held_tokens)
     chain: list[bytes] = field(default_factory=list)  # the chain hash after each block
+
+    @property
+    def held_tokens(self) -> int:
+        """What it counts against the budget: the KV positions its copy holds, its tokens at least."""
+        return max(len(self.tokens), self.snapshot.held_tokens)
 
 
 def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) -> list[bytes]:
@@ -70,7 +78,7 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.index: dict[bytes, set[int]] = {}  # chain hash -> ids of the entries holding that prefix
         self.hit_tokens = self.miss_tokens = self.evictions = self.failures = 0
-        self.tokens = self.bytes = 0
+        self.tokens = self.reusable_tokens = self.bytes = 0  # tokens: the KV positions the copies hold
         self._next_id = 0
 
     @property
@@ -127,7 +135,8 @@ class PrefixCache:
         self.entries[entry_id] = entry
         for digest in entry.chain:
             self.index.setdefault(digest, set()).add(entry_id)
-        self.tokens += len(entry.tokens)
+        self.tokens += entry.held_tokens
+        self.reusable_tokens += len(entry.tokens)
         self.bytes += snapshot.nbytes
         while self.tokens > self.budget_tokens and self.entries:
             self.evict_one()
@@ -162,7 +171,8 @@ class PrefixCache:
             holders.discard(entry_id)
             if not holders:
                 del self.index[digest]
-        self.tokens -= len(entry.tokens)
+        self.tokens -= entry.held_tokens
+        self.reusable_tokens -= len(entry.tokens)
         self.bytes -= entry.snapshot.nbytes
 
     def stats(self) -> PrefixStats:
@@ -170,7 +180,7 @@ class PrefixCache:
             self.hit_tokens,
             self.miss_tokens,
             len(self.entries),
-            self.tokens // BLOCK_TOKENS,
+            self.reusable_tokens // BLOCK_TOKENS,
             self.tokens,
             self.bytes,
             self.evictions,

@@ -70,17 +70,21 @@ class SessionStore:
             raise CursorMismatch(f"session {cursor.session_id!r} is new", 0, 0)
         if len(self.sessions) >= self.limits.max_sessions:
             raise CapacityExceeded(f"{len(self.sessions)} live sessions, the limit is {self.limits.max_sessions}")
-        self.sessions[cursor.session_id] = Session(cursor.session_id, salt=cursor.salt, opening=True)
+        self.sessions[cursor.session_id] = Session(cursor.session_id, salt=cursor.salt)
         try:
-            return self._reuse(self.sync(cursor, extra_tokens), cursor)
+            return self.sync(cursor, extra_tokens)
         except EngineError:
             self.release(cursor.session_id)  # a refused call leaves nothing behind
             raise
 
     def _reuse(self, session: Session, cursor: Cursor) -> Session:
-        """Start a new session from the longest prefix of its tokens the store holds (never all of
-        them: the call computes at least its last token). A restore that runs out of memory drops
-        that entry and the call computes the prefix itself: the store never fails a call."""
+        """A call from token 0, rolled back to nothing: a new session's opening call, or a live one's
+        prefill again (a resync, a reset record). Either starts from the longest prefix of its tokens
+        the store holds (never all of them: the call computes at least its last token), and its first
+        pass may be kept. A restore that runs out of memory drops that entry and the call computes the
+        prefix itself: the store never fails a call."""
+        session.salt, session.opening, session.keep_until = cursor.salt, True, None
+        self.engine.release(session.session_id)  # nothing held (truncated to 0): a restore starts it anew
         entry, length = self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)
         if entry is not None:
             try:
@@ -114,7 +118,7 @@ class SessionStore:
         self._check_cursor(session, cursor)
         self._check_room(session, cursor, len(cursor.tokens) + extra_tokens)
         self.truncate(session, cursor.start)
-        return session
+        return self._reuse(session, cursor) if cursor.start == 0 else session
 
     def get(self, session_id: str) -> Session:
         session = self.sessions.get(session_id)
@@ -153,13 +157,15 @@ class SessionStore:
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """The engine's forward pass (model/engine.py), each row's tokens then recorded as held. A
         row's leading tokens that its session took from the prefix store are not computed again.
-        When the engine runs out of memory, the prefix store gives its memory back and the pass runs
-        once more: the store never makes a call fail that would have run without it."""
+        When the engine runs out of memory that the prefix store's copies take (a GPU's), the store
+        gives it back and the pass runs once more: the store never makes a call fail that would have
+        run without it. Where they take none of it (llama.cpp's KV is allocated at start), emptying
+        the store would free nothing for the pass and cost every tenant its prefixes: the call fails."""
         rows = [self._unheld(row) for row in rows]
         try:
             logits = self.engine.forward(rows)
         except CapacityExceeded:
-            if not self.prefix.clear():
+            if not (getattr(self.engine, "copies_take_kv_memory", False) and self.prefix.clear()):
                 raise
             logits = self.engine.forward(rows)
         for row in rows:

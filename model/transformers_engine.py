@@ -31,6 +31,8 @@ MAX_GRAPH_TOKENS = 17
 
 
 class TransformersEngine:
+    copies_take_kv_memory = True  # the prefix store's copies and the sessions' KV share the device's memory
+
     def __init__(self, loaded: LoadedModel, graphs: bool = False):
         self.loaded = loaded
         self.device = loaded.device
@@ -243,6 +245,10 @@ class KVSnapshot:
     @property
     def length(self) -> int:
         return self.keys.shape[2]
+
+    @property
+    def held_tokens(self) -> int:
+        return self.length  # the prefix alone
 
     def layers(self):
         """(keys, values) [kv heads, length, head dim] of each layer, views of the snapshot."""

@@ -110,12 +110,13 @@ def _prefix_cache_families(stats):
         ("hit_tokens", "Prompt tokens new sessions took from the prefix cache instead of computing", stats.hit_tokens),
         ("miss_tokens", "Prompt tokens new sessions computed while the prefix cache was on", stats.miss_tokens),
         ("evictions", "Prefix-cache entries evicted for its budget or for room", stats.evictions),
+        ("failures", "Prefix-cache copies not made or restored for want of memory: ran without", stats.failures),
     ):
         yield CounterMetricFamily(f"specd_prefix_cache_{name}", documentation, value=value)
     for name, documentation, value in (
         ("entries", "Entries the prefix cache holds (each a copy of one prompt's leading blocks)", stats.entries),
         ("blocks", "Blocks (of BLOCK_TOKENS tokens) the prefix cache holds, over its entries", stats.blocks),
-        ("tokens", "Tokens the prefix cache holds, over its entries", stats.tokens),
+        ("tokens", "KV positions the prefix cache's copies hold (counted against its budget)", stats.tokens),
         ("bytes", "Memory the prefix cache's copies take, in bytes", stats.bytes),
         ("budget_tokens", "The prefix cache's budget in tokens (--prefix-cache-tokens; 0: off)", stats.budget_tokens),
     ):

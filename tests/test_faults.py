@@ -348,6 +348,11 @@ async def test_target_gone_ends_the_request_unavailable_within_the_retry_window(
     assert POLICY.target_retry_s - 0.3 < waited < POLICY.target_retry_s + 3
     # Bring it back (empty) for the next tests; the draft's session was released by the orchestrator.
     await faults.restart_target(gap_s=0, stop=False)
+    # Each worker's channel reconnects after its back-off (up to 1 s, orchestrator/remote.py), riding it
+    # out within the retry window: one request through each (ties rotate) leaves every channel ready for
+    # the next test, whose 1.5 s deadline would otherwise spend itself waiting on a reconnect.
+    for _ in faults.orchestrator.pool.actors:
+        assert len(await baseline(faults.client, 4)) == 4
     assert faults.target.port == port
     assert await faults.sessions_drain() == (0, 0)
 

@@ -13,6 +13,7 @@ from specd.bench import chat, chat_report, loadtest, openai_client
 from specd.bench.workload import RequestResult, Settings
 from specd.cli import loadtest as loadtest_cli
 from specd.cli.common import UserError
+from specd.model.prefix_cache import BLOCK_TOKENS
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -401,7 +402,10 @@ async def test_chat_on_the_tiny_stack_gives_grpc_and_http_the_same_text_every_tu
         assert [turn["completed"] for turn in run["per_turn"]] == [2, 2]
         assert run["per_turn"][1]["prompt_tokens_mean"] > run["per_turn"][0]["prompt_tokens_mean"] > 150
         cached = [turn["cached_prompt_tokens"] for turn in run["per_turn"]]
-        assert all(value is None or value >= 0 for value in cached)  # unknown until the server says
+        assert all(isinstance(value, int) and value >= 0 for value in cached)  # the server said, every turn
+        # Turn 2 opens with turn 1's prompt (over 150 tokens): its whole blocks come from the target's
+        # prefix store, two at least, for each of the two conversations.
+        assert cached[1] >= 2 * 2 * BLOCK_TOKENS
     assert grpc_run["acceptance_rate"] is not None and "acceptance_rate" not in http_run
     assert report["outputs_match"][0]["identical"] and report["outputs_match"][0]["turns_compared"] == 4
     assert report["settings"]["server_info"]["workers"] == 2

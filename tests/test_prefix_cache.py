@@ -19,6 +19,7 @@ B = BLOCK_TOKENS
 @dataclass
 class Copy:
     nbytes: int
+    held_tokens: int = 0  # the KV positions it holds; 0: just the entry's tokens
 
 
 def tokens(seed: int, n: int) -> list[int]:
@@ -79,6 +80,20 @@ def test_the_least_recently_used_entry_goes_first_and_the_budget_holds():
     assert cache.clear() == 2 and cache.stats().tokens == cache.stats().bytes == 0
 
 
+def test_a_copy_holding_more_than_its_prefix_counts_it_all_against_the_budget():
+    """Issue 49 (4): a llama.cpp copy is its whole sequence (the prompt's partial block, a verify's
+    drafts); the budget counts what the copies hold, the blocks what they may restore."""
+    cache = PrefixCache(budget_tokens=4 * B)
+    cache.insert("", tokens(30, 2 * B), Copy(10, held_tokens=3 * B - 5))
+    stats = cache.stats()
+    assert (stats.tokens, stats.blocks, stats.entries) == (3 * B - 5, 2, 1)
+    cache.insert("", tokens(31, B), Copy(10))  # 4 B - 5 held: within the budget
+    assert cache.stats().entries == 2 and cache.stats().evictions == 0
+    cache.insert("", tokens(32, B), Copy(10))  # 5 B - 5: the least recently used goes
+    assert cache.lookup("", tokens(30, 2 * B), most=2 * B) == (None, 0)
+    assert (cache.stats().tokens, cache.stats().blocks, cache.stats().evictions) == (2 * B, 2, 1)
+
+
 def test_a_budget_under_one_block_turns_the_store_off():
     cache = PrefixCache(budget_tokens=0)
     assert not cache.enabled and cache.wants("", tokens(8, 4 * B)) == 0
@@ -112,7 +127,8 @@ def test_a_session_from_a_kept_prefix_scores_bit_for_bit_as_a_fresh_prefill(llam
     cached, fresh = store(llama, 4096), store(llama, 0)
     system = tokens(9, 3 * B + 10)
     opening(cached, "first", system + tokens(10, 20))
-    assert cached.sessions["first"].reused == 0 and cached.prefix.stats().tokens == 3 * B
+    stats = cached.prefix.stats()  # three blocks to restore; the copy holds the whole sequence
+    assert cached.sessions["first"].reused == 0 and (stats.blocks, stats.tokens) == (3, len(system) + 20)
     cached.release("first")
     for turn, tail in enumerate([tokens(11, 30), tokens(12, B + 3), tokens(13, 1)]):
         prompt = system + tail
@@ -160,7 +176,7 @@ def test_a_call_that_wants_logits_for_the_kept_prefix_computes_them(llama):
 
 
 def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
-    cached = store(llama, 4 * 2 * B)  # holds four prompts of two blocks
+    cached = store(llama, 4 * (2 * B + 5))  # holds four prompts of two blocks and 5 tokens (copied whole)
     for index in range(16):
         opening(cached, f"c{index}", tokens(100 + index, 2 * B + 5))
         cached.release(f"c{index}")
@@ -175,7 +191,8 @@ def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
 def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(llama, monkeypatch):
     """Issue 49 (1): a session opened from a kept prefix whose opening pass fails holds the restored
     tokens and would skip them in its next row; the next call from token 0 (the draft resends its
-    Propose from 0) rolls back to 0 and computes every token, bit for bit as a fresh prefill."""
+    Propose from 0) rolls back to 0, restores the prefix anew and computes the rest, bit for bit as a
+    fresh prefill."""
     cached, fresh = store(llama, 4096), store(llama, 0)
     prompt = tokens(16, 2 * B + 6)
     opening(cached, "seed", prompt)
@@ -187,10 +204,30 @@ def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(ll
             cached.forward([Row("again", prompt, 1)])
     cached.sync(Cursor("again", 0, 0, prompt))  # the retry, from token 0
     session = cached.sessions["again"]
-    assert (session.skip, session.reused, session.tokens) == (0, 0, [])
+    assert (session.skip, session.reused, session.tokens) == (2 * B, 2 * B, prompt[: 2 * B])  # restored anew
     logits = cached.forward([Row("again", prompt, 1)])[0]
     assert torch.equal(logits, opening(fresh, "fresh", prompt)) and session.tokens == prompt
     for session_id in ("seed", "again"):
+        cached.release(session_id)
+    fresh.release("fresh")
+
+
+def test_a_live_session_prefilled_again_from_token_0_starts_from_the_store(llama):
+    """Issue 49 (3): a resync or a reset record sends a live session's tokens from 0 again; that
+    prefill looks the store up as an opening call does, reports what it reused, and scores bit for
+    bit as a fresh prefill."""
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    prompt = tokens(18, 2 * B + 5)
+    opening(cached, "seed", prompt)
+    opening(cached, "live", tokens(19, 40))  # a session with other KV, and decode steps after it
+    cached.forward([Row("live", [7], 1)])
+    again = prompt + tokens(20, 9)  # its tokens as the orchestrator holds them, from token 0
+    cached.sync(Cursor("live", 0, 0, again))
+    assert cached.sessions["live"].reused == 2 * B  # what the verifier reports as prefix_cached_tokens
+    logits = cached.forward([Row("live", again, 1)])[0]
+    assert torch.equal(logits, opening(fresh, "fresh", again))
+    assert cached.sessions["live"].tokens == again
+    for session_id in ("seed", "live"):
         cached.release(session_id)
     fresh.release("fresh")
 
@@ -222,3 +259,44 @@ def test_a_restore_or_a_snapshot_out_of_memory_never_fails_the_call(llama, monke
     cached.release("unkept")
     for session_id in ("fresh", "fresh again"):
         fresh.release(session_id)
+
+
+def test_a_copy_on_llama_cpp_holds_the_whole_sequence_and_is_counted_so(llama):
+    cached = store(llama, 4096)
+    prompt, drafts = tokens(21, 2 * B + 7), [5, 6, 7]
+    cached.sync(Cursor("verify", 0, 0, prompt))
+    cached.forward([Row("verify", prompt + drafts, len(drafts) + 1)])  # an opening Verify: logits for the drafts
+    stats = cached.prefix.stats()
+    assert (stats.entries, stats.blocks, stats.tokens) == (1, 2, len(prompt) + len(drafts))
+    cached.release("verify")
+
+
+def test_out_of_room_the_store_is_emptied_only_where_its_copies_take_the_kvs_memory(llama, monkeypatch):
+    """Issue 49 (4): on llama.cpp the KV is allocated at start and the copies sit in host memory:
+    emptying the store frees nothing for the pass, so a pass out of room fails as it would without
+    the store, and every tenant keeps its prefixes. Where the copies do take that memory (the
+    transformers engine on a GPU), the store is emptied and the pass runs once more."""
+    from specd.model.errors import CapacityExceeded
+
+    cached = store(llama, 4096)
+    opening(cached, "seed", tokens(22, 2 * B + 1))
+    cached.sync(Cursor("next", 0, 0, tokens(23, 10)))
+    passes = []
+
+    def full_once(rows):
+        passes.append(rows)
+        if len(passes) == 1:
+            raise CapacityExceeded("no KV cell free")
+        return real(rows)
+
+    real = llama.forward
+    monkeypatch.setattr(llama, "forward", full_once)
+    with pytest.raises(CapacityExceeded):
+        cached.forward([Row("next", tokens(23, 10), 1)])
+    assert cached.prefix.stats().entries == 1 and len(passes) == 1  # kept, and the pass ran once
+    passes.clear()
+    monkeypatch.setattr(llama, "copies_take_kv_memory", True)
+    cached.forward([Row("next", tokens(23, 10), 1)])
+    assert cached.prefix.stats().entries == 0 and len(passes) == 2  # emptied, then the pass ran again
+    for session_id in ("seed", "next"):
+        cached.release(session_id)

@@ -415,7 +415,15 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
     from specd.model.prefix_cache import PrefixStats
 
     said = PrefixStats(
-        hit_tokens=48, miss_tokens=16, entries=2, blocks=5, tokens=80, bytes=123_456, evictions=1, budget_tokens=4096
+        hit_tokens=48,
+        miss_tokens=16,
+        entries=2,
+        blocks=5,
+        tokens=80,
+        bytes=123_456,
+        evictions=1,
+        budget_tokens=4096,
+        failures=3,
     )
     for server, stub in (
         (tiny_services.draft_server, tiny_services.draft),
@@ -432,7 +440,8 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
             info.prefix_cache_bytes,
             info.prefix_cache_evictions,
             info.prefix_cache_budget_tokens,
-        ) == (48, 16, 2, 5, 80, 123_456, 1, 4096)
+            info.prefix_cache_failures,
+        ) == (48, 16, 2, 5, 80, 123_456, 1, 4096, 3)
         exported = {
             line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in generate_latest(server.metrics.registry).decode().splitlines()
@@ -442,6 +451,7 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
             "specd_prefix_cache_hit_tokens_total": 48,
             "specd_prefix_cache_miss_tokens_total": 16,
             "specd_prefix_cache_evictions_total": 1,
+            "specd_prefix_cache_failures_total": 3,
             "specd_prefix_cache_entries": 2,
             "specd_prefix_cache_blocks": 5,
             "specd_prefix_cache_tokens": 80,
