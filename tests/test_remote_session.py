@@ -185,6 +185,7 @@ async def test_a_service_that_keeps_disagreeing_fails_the_call():
 # -- faults: the required target retries, the optional draft does not ----------------------------
 
 
+@pytest.mark.serial  # its waits are timed to a few tens of milliseconds: the machine to itself
 async def test_an_unavailable_target_is_retried_with_back_off_until_it_answers():
     target = FakeService()
     remote = session(target)
@@ -198,6 +199,7 @@ async def test_an_unavailable_target_is_retried_with_back_off_until_it_answers()
     assert list(reply.emitted_tokens) == [target_rule(PROMPT)] and in_sync(remote, target)
 
 
+@pytest.mark.serial  # its waits are timed to a few tens of milliseconds: the machine to itself
 async def test_a_target_unavailable_past_the_window_fails_unavailable():
     target = FakeService()
     remote = session(target)
