@@ -14,7 +14,7 @@ import torch
 from transformers import DynamicCache
 
 from specd.model.engine import Row
-from specd.model.loading import LoadedModel
+from specd.model.loaded import LoadedModel
 
 
 class PaddedBatch:

@@ -88,7 +88,7 @@ from transformers import PreTrainedTokenizerBase
 
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
-from specd.model.loading import tokenizer_files, tokenizer_fingerprint
+from specd.model.loaded import tokenizer_files, tokenizer_fingerprint
 from specd.model.prefix_cache import BLOCK_TOKENS
 from specd.proto.limits import EXACTNESS
 

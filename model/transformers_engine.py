@@ -21,7 +21,7 @@ from specd.model.batch import PaddedBatch
 from specd.model.devices import kv_token_budget
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
-from specd.model.loading import LoadedModel, tokenizer_files, tokenizer_fingerprint
+from specd.model.loaded import LoadedModel, tokenizer_files, tokenizer_fingerprint
 from specd.model.static_slot import BATCH_BUCKETS, StaticSlots
 
 # A row of the static slots holds a session of up to this many tokens (the model's own limit if

@@ -22,8 +22,8 @@ from specd.orchestrator.drain import Drain
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
-from specd.orchestrator.request import GenerationRequest, Stats
-from specd.orchestrator.worker import Failed, WorkerPool
+from specd.orchestrator.request import Failed, GenerationRequest, Stats
+from specd.orchestrator.worker import WorkerPool
 from specd.proto.limits import MAX_CACHE_SALT_CHARS, penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 

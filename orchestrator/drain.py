@@ -13,7 +13,7 @@ import asyncio
 import time
 from contextlib import suppress
 
-from specd.orchestrator.worker import Failed
+from specd.orchestrator.request import Failed
 
 DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds: Kubernetes' default terminationGracePeriodSeconds is 30
 POLL_S = 0.05  # how often a drain looks whether the requests in flight have ended

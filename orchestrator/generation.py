@@ -38,11 +38,12 @@ from specd.orchestrator.ahead import DraftAhead
 from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.lookup import LOOKUP_ONLY, PromptLookup
-from specd.orchestrator.request import Delta, Finished, GenerationRequest, Stats, TopLogprobs
+from specd.orchestrator.request import Delta, Finished, GenerationRequest, Stats
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.suffix import RecentOutputs, SuffixDrafter
 from specd.orchestrator.text import OutputText
 from specd.proto import tracing
+from specd.proto.logprobs import top_logprobs_rows
 from specd.v1 import common_pb2, draft_pb2
 
 log = logging.getLogger("specd.orchestrator")
@@ -170,9 +171,9 @@ class Generation:
         delta = Delta(text, emitted)
         if self.request.logprobs:
             delta.logprobs = list(verdict.logprobs[: len(emitted)])
-            delta.top_logprobs = _top(verdict.top_logprobs[: len(emitted)])
+            delta.top_logprobs = top_logprobs_rows(verdict.top_logprobs[: len(emitted)])
             delta.prompt_logprobs = list(verdict.prompt_logprobs)
-            delta.prompt_top_logprobs = _top(verdict.prompt_top_logprobs)
+            delta.prompt_top_logprobs = top_logprobs_rows(verdict.prompt_top_logprobs)
         return delta
 
     def logprob_options(self) -> dict:
@@ -366,8 +367,3 @@ class Generation:
         # Best effort: idle eviction frees whatever a dead service could not release.
         await self.ahead.discard()  # a call drafting ahead ends before its session does
         await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
-
-
-def _top(rows) -> TopLogprobs:
-    """TopLogprobs messages as plain lists (what a Ray worker streams back)."""
-    return [(list(row.token_ids), list(row.logprobs)) for row in rows]

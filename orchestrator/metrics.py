@@ -13,8 +13,7 @@ from collections.abc import AsyncGenerator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from specd.orchestrator.request import Delta, Finished
-from specd.orchestrator.worker import Failed
+from specd.orchestrator.request import Delta, Failed, Finished
 from specd.proto.metrics import LATENCY_BUCKETS
 
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)

@@ -49,8 +49,7 @@ from specd.orchestrator.openai_call import Call, CallParser
 from specd.orchestrator.openai_request import ApiError
 from specd.orchestrator.openai_response import LogprobsFormat, Refused, Scored, api_error, prompt_scored, usage
 from specd.orchestrator.openai_stream import Stream
-from specd.orchestrator.request import Delta, Finished
-from specd.orchestrator.worker import RETRY_AFTER_S, Failed
+from specd.orchestrator.request import RETRY_AFTER_S, Delta, Failed, Finished
 from specd.proto import tracing
 
 API_LABEL = "http"  # the `api` label of this API's requests in the metrics

@@ -20,8 +20,7 @@ from tokenizers import Tokenizer
 
 from specd.orchestrator.openai_call import Call
 from specd.orchestrator.openai_request import ApiError
-from specd.orchestrator.request import Finished, TopLogprobs
-from specd.orchestrator.worker import Failed
+from specd.orchestrator.request import Failed, Finished, TopLogprobs
 
 STATUS_OF_CODE = {
     "INVALID_ARGUMENT": 400,
@@ -132,7 +131,7 @@ def api_error(failed: Failed) -> ApiError:
 
 class Refused(ApiError):
     """A request refused for load (429) or while draining (503), with `Retry-After`: the whole seconds
-    after which a retry may find room (worker.py RETRY_AFTER_S), as OpenAI's SDK reads it."""
+    after which a retry may find room (request.py RETRY_AFTER_S), as OpenAI's SDK reads it."""
 
     def __init__(self, message: str, code: str, retry_after_s: float):
         super().__init__(STATUS_OF_CODE.get(code, 429), message, code=code)

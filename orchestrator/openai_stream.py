@@ -13,8 +13,7 @@ from tokenizers import Tokenizer
 from specd.orchestrator.core import stats_dict
 from specd.orchestrator.openai_call import Call
 from specd.orchestrator.openai_response import LogprobsFormat, Scored, api_error, prompt_scored, usage
-from specd.orchestrator.request import Delta
-from specd.orchestrator.worker import Failed
+from specd.orchestrator.request import Delta, Failed
 
 
 class Stream:

@@ -1,5 +1,5 @@
 """A request's types: what is asked (GenerationRequest), what streams back (Delta events, then one
-Finished), and the speculation stats it keeps on the way (Stats).
+Finished, or a Failed with its status code), and the speculation stats it keeps on the way (Stats).
 
 Generation (generation.py) fills them; the worker pool carries them over Ray; the gRPC servicer,
 the HTTP API and the metrics read them.
@@ -59,6 +59,25 @@ class Finished:
     stats: "Stats"
     seed: int = 0  # the seed the request sampled with (its own, or the one drawn for it)
     cached_prompt_tokens: int = 0  # of prompt_tokens, those the target took from its prefix cache
+
+
+# The retry hint of a request refused for load: the orchestrator's limit or a full service frees a
+# place as soon as one request ends, which on a busy stack is within about a second. Both APIs send
+# it: gRPC as `grpc-retry-pushback-ms` (gRFC A6 server pushback), HTTP as `Retry-After`.
+RETRY_AFTER_S = 1.0
+
+
+@dataclass
+class Failed:
+    """A service error that ended the request: the status code name and its details."""
+
+    code: str
+    message: str
+
+    @property
+    def retry_after_s(self) -> float | None:
+        """When a retry may find room (RESOURCE_EXHAUSTED: a limit, not a fault); None: no hint."""
+        return RETRY_AFTER_S if self.code == "RESOURCE_EXHAUSTED" else None
 
 
 @dataclass

@@ -18,11 +18,12 @@ from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
-from specd.orchestrator.request import Delta, Finished
-from specd.orchestrator.worker import Failed, WorkerPool
+from specd.orchestrator.request import Delta, Failed, Finished
+from specd.orchestrator.worker import WorkerPool
 from specd.proto.auth import ClientSecurity, ServerSecurity
+from specd.proto.logprobs import top_logprobs_messages
 from specd.proto.metrics import start_exporter
-from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
+from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
 
 SERVICE_NAME = "specd.v1.SpecDecode"
 API_LABEL = "grpc"  # the `api` label of this API's requests in the metrics
@@ -51,7 +52,7 @@ class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
 
 def retry_pushback(failed: Failed) -> tuple[tuple[str, str], ...]:
     """Trailing metadata with gRPC's own retry hint (gRFC A6 `grpc-retry-pushback-ms`: a client with a
-    retry policy waits that long), for a refusal that a retry may get past (worker.py RETRY_AFTER_S)."""
+    retry policy waits that long), for a refusal that a retry may get past (request.py RETRY_AFTER_S)."""
     if failed.retry_after_s is None:
         return ()
     return (("grpc-retry-pushback-ms", str(round(failed.retry_after_s * 1000))),)
@@ -63,9 +64,9 @@ def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
             text=event.text,
             token_ids=event.token_ids,
             logprobs=event.logprobs,
-            top_logprobs=[_top(row) for row in event.top_logprobs],
+            top_logprobs=top_logprobs_messages(event.top_logprobs),
             prompt_logprobs=event.prompt_logprobs,
-            prompt_top_logprobs=[_top(row) for row in event.prompt_top_logprobs],
+            prompt_top_logprobs=top_logprobs_messages(event.prompt_top_logprobs),
         )
         return specdecode_pb2.GenerateResponse(delta=delta)
     return specdecode_pb2.GenerateResponse(
@@ -80,11 +81,6 @@ def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
             seed=event.seed,
         )
     )
-
-
-def _top(row: tuple[list[int], list[float]]) -> common_pb2.TopLogprobs:
-    token_ids, logprobs = row
-    return common_pb2.TopLogprobs(token_ids=token_ids, logprobs=logprobs)
 
 
 class OrchestratorServer:

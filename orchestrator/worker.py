@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import itertools
 import uuid
-from dataclasses import dataclass
 
 import grpc
 import ray
@@ -24,29 +23,11 @@ from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation
 from specd.orchestrator.remote import ServicePair, connect_pair
-from specd.orchestrator.request import GenerationRequest
+from specd.orchestrator.request import Failed, GenerationRequest
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
 from specd.v1 import common_pb2
-
-# The retry hint of a request refused for load: the orchestrator's limit or a full service frees a
-# place as soon as one request ends, which on a busy stack is within about a second. Both APIs send
-# it: gRPC as `grpc-retry-pushback-ms` (gRFC A6 server pushback), HTTP as `Retry-After`.
-RETRY_AFTER_S = 1.0
-
-
-@dataclass
-class Failed:
-    """A service error that ended the request: the status code name and its details."""
-
-    code: str
-    message: str
-
-    @property
-    def retry_after_s(self) -> float | None:
-        """When a retry may find room (RESOURCE_EXHAUSTED: a limit, not a fault); None: no hint."""
-        return RETRY_AFTER_S if self.code == "RESOURCE_EXHAUSTED" else None
 
 
 class GenerationWorker:

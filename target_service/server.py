@@ -4,6 +4,7 @@ from collections.abc import Callable
 
 from specd.model.errors import EngineError, InvalidRequest
 from specd.proto.limits import MAX_DECODE_STEPS
+from specd.proto.logprobs import top_logprobs_messages
 from specd.serving.messages import cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto
 from specd.serving.server import ModelServer
 from specd.serving.thread import ModelThread
@@ -96,16 +97,11 @@ def _verify_response(verification: Verification, prefix_cached: int | None = Non
         emitted_tokens=verification.emitted_tokens,
         logprobs=verification.logprobs,
         cached_tokens=verification.cached_tokens,
-        top_logprobs=[_top(row) for row in verification.top_logprobs],
+        top_logprobs=top_logprobs_messages(verification.top_logprobs),
         prompt_logprobs=verification.prompt_logprobs,
-        prompt_top_logprobs=[_top(row) for row in verification.prompt_top_logprobs],
+        prompt_top_logprobs=top_logprobs_messages(verification.prompt_top_logprobs),
         prefix_cached_tokens=_prefix_cached(verification) if prefix_cached is None else prefix_cached,
     )
-
-
-def _top(row: tuple[list[int], list[float]]) -> common_pb2.TopLogprobs:
-    token_ids, logprobs = row
-    return common_pb2.TopLogprobs(token_ids=token_ids, logprobs=logprobs)
 
 
 def create_target_server(load_service: Callable[[], Verifier]) -> ModelServer:

@@ -9,7 +9,8 @@ from conftest import DEVICES
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded
-from specd.model.loading import load_engine, tokenizer_fingerprint
+from specd.model.loaded import tokenizer_fingerprint
+from specd.model.loading import load_engine
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine

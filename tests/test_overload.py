@@ -21,8 +21,8 @@ import pytest
 from conftest import start_services
 
 from specd.bench.loadtest import Settings
+from specd.orchestrator.request import RETRY_AFTER_S
 from specd.orchestrator.server import OrchestratorServer
-from specd.orchestrator.worker import RETRY_AFTER_S
 from specd.proto.limits import Limits
 from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
 

@@ -18,7 +18,7 @@ from conftest import SERVICE_ENGINES, TINY_CONFIG
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from specd.draft_service.drafter import Drafter, ProposeCall
-from specd.model.loading import LoadedModel
+from specd.model.loaded import LoadedModel
 from specd.model.sampling import Sampling, penalise, probs_from_logits
 from specd.model.sessions import Cursor
 from specd.model.transformers_engine import TransformersEngine

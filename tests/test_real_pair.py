@@ -19,7 +19,8 @@ import torch
 from conftest import real_service_process, requires_gpu, serve_draft_beside, start_services
 from transformers import AutoTokenizer
 
-from specd.model.loading import load_model, tokenizer_fingerprint
+from specd.model.loaded import tokenizer_fingerprint
+from specd.model.loading import load_model
 from specd.model.store import ModelNotFetchedError, resolve_model
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import fingerprint

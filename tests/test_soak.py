@@ -131,6 +131,10 @@ def rss_mib(processes) -> dict[str, float]:
     return {role: psutil.Process(process.pid).memory_info().rss / 2**20 for role, process in processes.items()}
 
 
+# Serial: its RSS is only flat with the machine to itself. Beside another test's load the kernel
+# reclaimed a tenth of the target's pages mid-soak (778.8 -> 699.6 MiB): a change the test would read as
+# much as a leak.
+@pytest.mark.serial
 async def test_soak_200_requests_with_cancels_no_errors_no_leaks_flat_memory(process_stack):
     client, processes, addresses = process_stack
     warm = await run_load(client, WARM_UP, seed=1)
