@@ -414,17 +414,8 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
 
     from specd.model.prefix_cache import PrefixStats
 
-    said = PrefixStats(
-        hit_tokens=48,
-        miss_tokens=16,
-        entries=2,
-        blocks=5,
-        tokens=80,
-        bytes=123_456,
-        evictions=1,
-        budget_tokens=4096,
-        failures=3,
-    )
+    counts = dict(hit_tokens=48, miss_tokens=16, entries=2, blocks=5, tokens=80, bytes=123_456, evictions=1)
+    said = PrefixStats(**counts, budget_tokens=4096, failures=3)
     for server, stub in (
         (tiny_services.draft_server, tiny_services.draft),
         (tiny_services.target_server, tiny_services.target),
