@@ -11,7 +11,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, GenerationConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -67,8 +67,6 @@ def folder_tokenizer(folder: str | Path) -> tuple[PreTrainedTokenizerBase, int |
 
 @lru_cache(maxsize=8)
 def _folder_tokenizer(folder: str, _stamp: int) -> tuple[PreTrainedTokenizerBase, int | list[int] | None]:
-    from transformers import GenerationConfig
-
     try:
         ids = GenerationConfig.from_pretrained(folder).eos_token_id
     except OSError:
