@@ -74,15 +74,16 @@ class Engine(Protocol):
     def tokenizer_files(self) -> dict[str, bytes]:
         """The files a remote orchestrator needs to rebuild the tokenizer (AutoTokenizer-loadable)."""
 
-    # The prefix store (model/prefix_cache.py). An engine without these three keeps no prefixes.
+    # The prefix cache (model/prefix_cache.py). An engine without these three keeps no prefixes.
     # `copies_take_kv_memory`: its copies sit in the memory the sessions' KV grows into (a GPU's), so the
-    # session store empties the prefix store before a pass refuses for room; where the KV is allocated up
+    # session store empties the prefix cache before a pass refuses for room; where the KV is allocated up
     # front (llama.cpp) emptying it frees nothing a pass could use.
     copies_take_kv_memory: bool
 
     def reusable(self, session_id: str) -> int:
-        """How many leading tokens of the session's KV a fresh prefill of the same tokens would
-        compute bit for bit the same: what the prefix store may keep of it."""
+        """How many leading tokens of the session's KV a fresh prefill of exactly those tokens (its
+        head: no logits kept for them) would compute bit for bit the same, every whole block of them
+        also as any longer prefill would: what the prefix cache may keep of it."""
 
     def snapshot(self, session_id: str, length: int) -> Snapshot:
         """A copy of the KV of the session's first `length` tokens (length <= reusable), owned by the

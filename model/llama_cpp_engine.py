@@ -109,14 +109,14 @@ ATTENTION = (
 )
 # A row's tokens before those it keeps logits for run in calls cut at every PREFILL_BLOCK-th position
 # of its session, so that a prefix of whole blocks is computed alike wherever its prefill started
-# (`reusable`, the prefix store's blocks). 64-token calls prefill 5 % slower than calls of 512 here.
+# (`reusable`, the prefix cache's blocks). 64-token calls prefill 5 % slower than calls of 512 here.
 PREFILL_BLOCK = BLOCK_TOKENS
 
 log = logging.getLogger(__name__)
 
 
 class LlamaCppEngine:
-    copies_take_kv_memory = False  # the KV cells are allocated at start; the prefix store's copies are in host RAM
+    copies_take_kv_memory = False  # the KV cells are allocated at start; the prefix cache's copies are in host RAM
 
     def __init__(
         self,
@@ -233,13 +233,15 @@ class LlamaCppEngine:
         as a fresh prefill of the same tokens (`reusable`'s premise), on this CPU and these weights."""
         tokens = [(11 * i + 5) % self.vocab_size for i in range(2 * PREFILL_BLOCK + 3)]
         fresh = self.forward([Row("probe", tokens, 1)])[0]
-        held = PREFILL_BLOCK  # the first block, of the head's two
-        state = self.snapshot("probe", held)
+        state = self.snapshot("probe", len(tokens) - 1)
         self.release("probe")
-        self.restore("probe", state, held)
-        resumed = self.forward([Row("probe", tokens[held:], 1)])[0]
-        self.release("probe")
-        return held > 0 and torch.equal(fresh, resumed)
+        exact = True
+        for held in (PREFILL_BLOCK, len(tokens) - 1):  # the first block of the head's two; the head whole
+            self.restore("probe", state, held)
+            resumed = self.forward([Row("probe", tokens[held:], 1)])[0]
+            self.release("probe")
+            exact = exact and torch.equal(fresh, resumed)
+        return exact
 
     def _unload(self) -> None:
         llama.llama_batch_free(self.batch)
@@ -282,8 +284,8 @@ class LlamaCppEngine:
         for row, start in zip(rows, starts):
             self.lengths[row.session_id] = start + len(row.tokens)
             head_end = start + len(row.tokens) - row.keep_logits  # prefilled in calls of one block each (_calls)
-            if self.canonical[row.session_id] == start:
-                self.canonical[row.session_id] = max(start, head_end // PREFILL_BLOCK * PREFILL_BLOCK)
+            if self.canonical[row.session_id] == start and start % PREFILL_BLOCK == 0:
+                self.canonical[row.session_id] = head_end  # a fresh prefill of this head makes these calls
         return [torch.from_numpy(logits) for logits in out]
 
     def _allocate(self, session_id: str) -> None:
@@ -322,17 +324,20 @@ class LlamaCppEngine:
         if self.lengths.get(session_id, 0) > length:
             llama.llama_memory_seq_rm(self.memory, self.sequences[session_id], length, -1)
             self.lengths[session_id] = length
-            self.canonical[session_id] = min(self.canonical[session_id], length)
+            if length < self.canonical[session_id]:  # the cut block was computed for a longer head
+                self.canonical[session_id] = length // PREFILL_BLOCK * PREFILL_BLOCK
 
-    # -- the prefix store's copies (model/prefix_cache.py) ---------------------------------------
+    # -- the prefix cache's copies (model/prefix_cache.py) ---------------------------------------
 
     def reusable(self, session_id: str) -> int:
-        """The session's leading whole blocks that prefill calls computed, from token 0 or from a
-        restored prefix: each such block ran as one llama_decode call of its own tokens after the
-        same KV (`_calls`), exactly as a fresh prefill of the same tokens runs it, so restoring them
-        is bit for bit a fresh prefill. Checked at load (`_prefix_exact`): none where it fails.
+        """The session's leading tokens that prefill calls computed, from token 0 or from a restored
+        prefix, up to the end of a head: each whole block ran as one llama_decode call of its own
+        tokens after the same KV (`_calls`), exactly as a fresh prefill of any longer head runs it,
+        and the partial block after them as a fresh prefill of exactly this head runs it; restoring
+        them is bit for bit that prefill. Checked at load (`_prefix_exact`): none where it fails.
         Tokens a pass kept logits for (decode steps, verifies) never count: they ran through the
-        one-row kernels, which round otherwise than a prefill's matmuls."""
+        one-row kernels, which round otherwise than a prefill's matmuls. A crop inside the head
+        keeps its whole blocks only."""
         return self.canonical.get(session_id, 0) if getattr(self, "prefixes_exact", True) else 0
 
     def snapshot(self, session_id: str, length: int) -> "SequenceState":

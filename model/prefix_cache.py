@@ -1,22 +1,27 @@
-"""The prefix store: KV of prompts already computed, kept past their sessions, so that a new session
+"""The prefix cache: KV of prompts already computed, kept past their sessions, so that a new session
 (a request, a chat's next turn, a resync's re-prefill) computes only what it does not share.
 
 What it keeps: after a session's opening pass (a prefill: the cursor from token 0) the engine's copy
-of the KV a fresh prefill would reproduce bit for bit (`Engine.reusable`), cut to whole blocks of
-BLOCK_TOKENS. Not the output: a decode step computes a token's KV with other kernels than a prefill
-(one row against many; model/llama_cpp_engine.py), so a chat's next turn recomputes the last answer
-once, inside its own prefill, and that prefill's KV is what the turn after it finds.
+of the KV a fresh prefill would reproduce bit for bit (`Engine.reusable`): the pass's head, the tokens
+it computed before the first it kept logits for. Any prompt that starts with the head's whole blocks
+of BLOCK_TOKENS may take those; a prompt whose head is exactly the kept one takes it all, tail
+included (its partial last block was prefilled by the very call a fresh prefill of that head makes),
+and computes only its last token: the same short prompt sent twice is prefilled once. Not the output:
+a decode step computes a token's KV with other kernels than a prefill (one row against many;
+model/llama_cpp_engine.py), so a chat's next turn recomputes the last answer once, inside its own
+prefill, and that prefill's KV is what the turn after it finds.
 
 How it finds it: vLLM's hash chain over blocks (parent hash + the block's tokens, the tenant's salt
-at the root), an index from each chain hash to the entries that hold it; a lookup walks the new
-prompt's blocks while the chain is known and takes the deepest. An entry is one engine snapshot of
-a prompt's leading blocks (one copy each way: llama.cpp keeps a sequence's KV in a stream of its own,
-which cannot be shared in place), and only leaves are kept: an entry whose blocks another entry of
-the same salt extends is dropped for it (a chat's turn replaces the last turn's).
+at the root), and a tail's hash after its last block's; an index from each hash to the entries that
+hold it; a lookup walks the new head's blocks while the chain is known and takes the deepest, or the
+head whole. An entry is one engine snapshot of a head (one copy each way: llama.cpp keeps a
+sequence's KV in a stream of its own, which cannot be shared in place), and only leaves are kept: an
+entry whose tokens a new one of the same salt starts with is dropped for it (a chat's turn replaces
+the last turn's).
 
 Bounded: entries are evicted least recently used first under `budget_tokens`, counted as the KV
 positions each copy holds, not only those it may restore (a llama.cpp copy is its whole sequence: the
-prompt's last partial block and a verify's drafts with it); 0 turns the store off. It never makes a
+prompt's last token and a verify's drafts with it); 0 turns the store off. It never makes a
 call fail: a copy that finds no memory is not kept, a restore that finds none is computed instead, and
 where the copies take the sessions' memory (a GPU) the session store empties it before refusing for room.
 Not thread-safe: the model thread is its only caller.
@@ -52,9 +57,13 @@ class PrefixStats:
 @dataclass(eq=False)
 class Entry:
     salt: str
-    tokens: tuple[int, ...]  # a whole number of blocks
+    tokens: tuple[int, ...]  # whole blocks, then perhaps a tail: the rest of the head they were prefilled as
     snapshot: Any  # the engine's copy of their KV (model/engine.py Snapshot: .nbytes, .held_tokens)
-    chain: list[bytes] = field(default_factory=list)  # the chain hash after each block
+    chain: list[bytes] = field(default_factory=list)  # the chain hash after each block, then the tail's
+
+    @property
+    def blocks(self) -> int:
+        return len(self.tokens) // BLOCK_TOKENS
 
     @property
     def held_tokens(self) -> int:
@@ -62,14 +71,33 @@ class Entry:
         return max(len(self.tokens), self.snapshot.held_tokens)
 
 
+def root_hash(salt: str) -> bytes:
+    return hashlib.blake2b(salt.encode(), digest_size=16).digest()
+
+
 def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) -> list[bytes]:
     """The hash after each of the first `blocks` blocks: blake2b(parent, block tokens), the salt at the root."""
-    parent, out = hashlib.blake2b(salt.encode(), digest_size=16).digest(), []
+    parent, out = root_hash(salt), []
     for index in range(blocks):
         block = tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS]
         parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
         out.append(parent)
     return out
+
+
+def tail_hash(parent: bytes, tail: list[int] | tuple[int, ...]) -> bytes:
+    """The key of a head that ends inside a block: its last whole block's chain hash, then the tail,
+    marked so that no block's hash is ever a tail's."""
+    return hashlib.blake2b(parent + b"tail" + struct.pack(f"<{len(tail)}I", *tail), digest_size=16).digest()
+
+
+def entry_hashes(salt: str, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
+    """Every key an entry of these tokens is found by: each whole block's chain hash, then the tail's."""
+    blocks = len(tokens) // BLOCK_TOKENS
+    chain = chain_hashes(salt, tokens, blocks)
+    if len(tokens) % BLOCK_TOKENS:
+        chain.append(tail_hash(chain[-1] if chain else root_hash(salt), tokens[blocks * BLOCK_TOKENS :]))
+    return chain
 
 
 class PrefixCache:
@@ -78,7 +106,7 @@ class PrefixCache:
         self.entries: OrderedDict[int, Entry] = OrderedDict()  # least recently used first
         self.index: dict[bytes, set[int]] = {}  # chain hash -> ids of the entries holding that prefix
         self.hit_tokens = self.miss_tokens = self.evictions = self.failures = 0
-        self.tokens = self.reusable_tokens = self.bytes = 0  # tokens: the KV positions the copies hold
+        self.tokens = self.blocks = self.bytes = 0  # tokens: the KV positions the copies hold
         self._next_id = 0
 
     @property
@@ -86,20 +114,32 @@ class PrefixCache:
         return self.budget_tokens >= BLOCK_TOKENS
 
     def lookup(self, salt: str, tokens: list[int], most: int) -> tuple[Entry | None, int]:
-        """The entry holding the longest whole-block prefix of `tokens` (at most `most` tokens) under
-        this salt, and that length; (None, 0) when none. The entry becomes the most recently used."""
-        if not self.enabled or most < BLOCK_TOKENS:
+        """The entry holding the longest prefix of `tokens` it may restore under this salt, at most
+        `most` tokens (a call's head: the tokens it computes before the first it keeps logits for),
+        and that length; (None, 0) when none. Whole blocks, or the head itself where an entry's tokens
+        are exactly it (its tail was prefilled by the very call a fresh prefill of this head makes).
+        The entry becomes the most recently used."""
+        most = min(most, len(tokens))
+        if not self.enabled or most <= 0:
             return None, 0
         found, length = None, 0
-        for depth, digest in enumerate(chain_hashes(salt, tokens, most // BLOCK_TOKENS), 1):
+        chain = chain_hashes(salt, tokens, most // BLOCK_TOKENS)
+        for depth, digest in enumerate(chain, 1):
             holders = self.index.get(digest)
             if not holders:
                 break
             found, length = max(holders), depth * BLOCK_TOKENS  # the newest holder
+        else:
+            if most % BLOCK_TOKENS:  # every whole block held: perhaps the head itself, tail and all
+                head = tokens[len(chain) * BLOCK_TOKENS : most]
+                holders = self.index.get(tail_hash(chain[-1] if chain else root_hash(salt), head))
+                if holders:
+                    found, length = max(holders), most
         if found is None:
             return None, 0
         entry = self.entries[found]
-        if entry.salt != salt or entry.tokens[:length] != tuple(tokens[:length]):
+        partial = length % BLOCK_TOKENS and len(entry.tokens) != length
+        if entry.salt != salt or partial or entry.tokens[:length] != tuple(tokens[:length]):
             return None, 0  # a hash collision: never serve another tenant's prefix, nor other tokens
         self.entries.move_to_end(found)
         return entry, length
@@ -111,32 +151,29 @@ class PrefixCache:
             self.miss_tokens += prompt - hit
 
     def wants(self, salt: str, tokens: list[int]) -> int:
-        """How many leading tokens of `tokens` an insert would add (whole blocks), 0 when the store
-        already holds them all or keeps nothing."""
-        length = len(tokens) // BLOCK_TOKENS * BLOCK_TOKENS
+        """How many leading tokens of `tokens` (a head, as its prefill computed it) an insert would
+        add: all of them, or 0 where the store already holds them or keeps nothing."""
+        length = len(tokens)
         if not self.enabled or length == 0 or length > self.budget_tokens:
             return 0
         _, held = self.lookup(salt, tokens, length)
         return 0 if held >= length else length
 
     def insert(self, salt: str, tokens: list[int], snapshot: Any) -> None:
-        """Keep `snapshot`, the KV of `tokens` (whole blocks), dropping the entries it extends, then
-        evicting the least recently used until the budget holds."""
-        blocks = len(tokens) // BLOCK_TOKENS
-        entry = Entry(salt, tuple(tokens[: blocks * BLOCK_TOKENS]), snapshot, chain_hashes(salt, tokens, blocks))
-        for entry_id in list(self.index.get(entry.chain[-1], ())) if entry.chain else []:
-            if len(self.entries[entry_id].tokens) <= len(entry.tokens):
-                self._drop(entry_id)  # the same prefix, now held by this one
-        for digest in entry.chain[:-1]:
-            for entry_id in [i for i in self.index.get(digest, ()) if len(self.entries[i].tokens) <= len(entry.tokens)]:
-                if self.entries[entry_id].chain[-1] == digest:
-                    self._drop(entry_id)  # a shorter prefix of this one: a leaf no more
+        """Keep `snapshot`, the KV of `tokens` (a head: whole blocks and a tail), dropping the entries
+        whose tokens it starts with (a chat's last turn, the same prompt kept before), then evicting
+        the least recently used until the budget holds."""
+        entry = Entry(salt, tuple(tokens), snapshot, entry_hashes(salt, tokens))
+        for entry_id in list(self.index.get(entry.chain[0], ())):  # those sharing its first block (or head)
+            other = self.entries[entry_id].tokens
+            if len(other) <= len(entry.tokens) and entry.tokens[: len(other)] == other:
+                self._drop(entry_id)  # a prefix of this one: a leaf no more
         entry_id, self._next_id = self._next_id, self._next_id + 1
         self.entries[entry_id] = entry
         for digest in entry.chain:
             self.index.setdefault(digest, set()).add(entry_id)
         self.tokens += entry.held_tokens
-        self.reusable_tokens += len(entry.tokens)
+        self.blocks += entry.blocks
         self.bytes += snapshot.nbytes
         while self.tokens > self.budget_tokens and self.entries:
             self.evict_one()
@@ -172,7 +209,7 @@ class PrefixCache:
             if not holders:
                 del self.index[digest]
         self.tokens -= entry.held_tokens
-        self.reusable_tokens -= len(entry.tokens)
+        self.blocks -= entry.blocks
         self.bytes -= entry.snapshot.nbytes
 
     def stats(self) -> PrefixStats:
@@ -180,7 +217,7 @@ class PrefixCache:
             self.hit_tokens,
             self.miss_tokens,
             len(self.entries),
-            self.reusable_tokens // BLOCK_TOKENS,
+            self.blocks,
             self.tokens,
             self.bytes,
             self.evictions,

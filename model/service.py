@@ -15,7 +15,7 @@ from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, SessionStore
 from specd.proto.limits import AUTO_CACHED_TOKENS, AUTO_PREFIX_TOKENS, Limits
 
-AUTO_PREFIX_MOST = 16_384  # the prefix store's default budget, in tokens, at most (a quarter of the KV's below it)
+AUTO_PREFIX_MOST = 16_384  # the prefix cache's default budget, in tokens, at most (a quarter of the KV's below it)
 
 
 class ModelService:
@@ -58,7 +58,7 @@ class ModelService:
             trim_host_memory()
 
     def prefix_stats(self) -> PrefixStats:
-        """What the prefix store holds and did (model/prefix_cache.py): Info and the metrics."""
+        """What the prefix cache holds and did (model/prefix_cache.py): Info and the metrics."""
         return self.store.prefix.stats()
 
     def tokenizer_files(self) -> dict[str, bytes]:

@@ -6,7 +6,7 @@ is committed: every call names the prefix to keep (`start` + fingerprint); the s
 and the limits before anything changes, truncates to it (that *is* the rollback) and appends
 what the caller sends. It also ends sessions: Release and idle eviction.
 
-Below the contract sits the prefix store (model/prefix_cache.py): a session opened from token 0
+Below the contract sits the prefix cache (model/prefix_cache.py): a session opened from token 0
 starts from the longest prefix of its tokens the store holds under its salt, and the row of its
 first pass skips those tokens (`forward`); after that pass the store keeps what the engine says a
 fresh prefill would reproduce. Callers see the same session either way.
@@ -21,7 +21,7 @@ import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
-from specd.model.prefix_cache import PrefixCache
+from specd.model.prefix_cache import BLOCK_TOKENS, PrefixCache
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 
@@ -41,7 +41,7 @@ class Session:
     tokens: list[int] = field(default_factory=list)  # ids whose KV the engine holds, in order
     last_used: float = field(default_factory=time.monotonic)
     salt: str = ""  # the cache_salt it was opened with
-    reused: int = 0  # tokens its opening call took from the prefix store
+    reused: int = 0  # tokens its opening call took from the prefix cache
     skip: int = 0  # leading tokens of its next row already held (restored from the store)
     opening: bool = False  # its next pass is its first: the store may keep the prefix it computes
     keep_until: int | None = None  # after that pass: its tokens before those the pass kept logits for
@@ -147,7 +147,7 @@ class SessionStore:
     def truncate(self, session: Session, length: int) -> None:
         """Roll back: forget every token from `length` on. The engine is told even when the store
         holds no more, so a new session never inherits KV under its id. The next row starts at
-        `length`: none of its tokens is held from the prefix store any more (a restore whose opening
+        `length`: none of its tokens is held from the prefix cache any more (a restore whose opening
         pass failed must not make the next call from token 0 skip them), and of the tokens the
         opening call took from the store at most `length` are left."""
         del session.tokens[length:]
@@ -156,8 +156,8 @@ class SessionStore:
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """The engine's forward pass (model/engine.py), each row's tokens then recorded as held. A
-        row's leading tokens that its session took from the prefix store are not computed again.
-        When the engine runs out of memory that the prefix store's copies take (a GPU's), the store
+        row's leading tokens that its session took from the prefix cache are not computed again.
+        When the engine runs out of memory that the prefix cache's copies take (a GPU's), the store
         gives it back and the pass runs once more: the store never makes a call fail that would have
         run without it. Where they take none of it (llama.cpp's KV is allocated at start), emptying
         the store would free nothing for the pass and cost every tenant its prefixes: the call fails."""
@@ -179,13 +179,14 @@ class SessionStore:
         return logits
 
     def _unheld(self, row: Row) -> Row:
-        """The row without the tokens its session already holds from the prefix store; where the call
+        """The row without the tokens its session already holds from the prefix cache; where the call
         wants logits for some of those, the session gives them back and computes them."""
         session = self.sessions[row.session_id]
         if not session.skip:
             return row
         skip = min(session.skip, len(row.tokens) - row.keep_logits)
-        if skip < session.skip:
+        if skip < session.skip:  # back to whole blocks: a restored tail is exact only as the head it ended
+            skip = skip // BLOCK_TOKENS * BLOCK_TOKENS
             self.engine.crop(session.session_id, skip)
             del session.tokens[skip:]
             self.prefix.count(skip - session.reused, 0)  # fewer hit tokens, as many more computed
@@ -194,7 +195,7 @@ class SessionStore:
 
     @contextmanager
     def passes(self, session_ids: list[str]):
-        """The engine's block of passes (model/engine.py `passes`); the prefix store takes its copies
+        """The engine's block of passes (model/engine.py `passes`); the prefix cache takes its copies
         after the block, where the engine holds each session's KV in its own place again."""
         self.in_block = True
         try:
@@ -205,7 +206,7 @@ class SessionStore:
         self.keep_prefixes(session_ids)
 
     def keep_prefixes(self, session_ids: list[str]) -> None:
-        """After a session's opening pass: keep in the prefix store what a fresh prefill would
+        """After a session's opening pass: keep in the prefix cache what a fresh prefill would
         reproduce of it, in whole blocks, never the positions that pass kept logits for (a verify's
         draft tokens, a draft's guesses: not committed)."""
         for session_id in session_ids if self.prefix.enabled else ():

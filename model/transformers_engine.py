@@ -6,7 +6,7 @@ cache when the pass, or the `passes` block, ends. With `graphs` (a CUDA device),
 eight sessions run in StaticSlots (model/static_slot.py) instead, through CUDA graphs: those
 sessions stay in their rows between steps, and go back to a cache of their own when others need
 the rows or they join a larger batch. Everything stays on the device; logits come back there too.
-The prefix store's copies (`snapshot`, `restore`: model/prefix_cache.py) are KV tensors on the
+The prefix cache's copies (`snapshot`, `restore`: model/prefix_cache.py) are KV tensors on the
 device too: a copy from wherever the session sits, and a restored session starts in a cache of its own.
 Not thread-safe: the service's model thread is its only caller.
 """
@@ -31,7 +31,7 @@ MAX_GRAPH_TOKENS = 17
 
 
 class TransformersEngine:
-    copies_take_kv_memory = True  # the prefix store's copies and the sessions' KV share the device's memory
+    copies_take_kv_memory = True  # the prefix cache's copies and the sessions' KV share the device's memory
 
     def __init__(self, loaded: LoadedModel, graphs: bool = False):
         self.loaded = loaded
@@ -157,7 +157,7 @@ class TransformersEngine:
             self.slots.forget(session_id)
         self.caches.pop(session_id, None)
 
-    # -- the prefix store's copies (model/prefix_cache.py) ---------------------------------------
+    # -- the prefix cache's copies (model/prefix_cache.py) ---------------------------------------
 
     def reusable(self, session_id: str) -> int:
         """All the session's cached tokens (0 for an unknown session): restored, they give the logits a

@@ -163,7 +163,7 @@ class Generation:
         self.stats.completion_tokens = self.generated
         self.stats.resyncs = self.draft.resyncs + self.target.resyncs
         prompt_tokens = len(self.request.prompt_ids)
-        cached = min(self.target.prefix_cached_tokens or 0, prompt_tokens)  # the prompt's, not a resync's output
+        cached = min(self.target.cached_prompt_tokens or 0, prompt_tokens)  # the prompt's, not a resync's output
         return Finished(reason, prompt_tokens, self.generated, self.stats, self.request.seed, cached)
 
     def delta(self, text: str, emitted: list[int], verdict) -> Delta:

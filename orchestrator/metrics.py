@@ -49,8 +49,8 @@ class OrchestratorMetrics:
             registry=registry,
         )
         self.prompt_tokens = Counter("specd_prompt_tokens", "Prompt tokens of finished requests", registry=registry)
-        self.prompt_cached_tokens = Counter(
-            "specd_prompt_cached_tokens",
+        self.cached_prompt_tokens = Counter(
+            "specd_cached_prompt_tokens",
             "Of specd_prompt_tokens, those the target took from its prefix cache",
             registry=registry,
         )
@@ -151,7 +151,7 @@ class OrchestratorMetrics:
         if after_first_token is not None and event.completion_tokens > 1:
             self.time_per_output_token.observe(after_first_token / (event.completion_tokens - 1))
         self.prompt_tokens.inc(event.prompt_tokens)
-        self.prompt_cached_tokens.inc(event.cached_prompt_tokens)
+        self.cached_prompt_tokens.inc(event.cached_prompt_tokens)
         self.generation_tokens.inc(event.completion_tokens)
         self.request_generation_tokens.observe(event.completion_tokens)
         self.num_drafts.inc(stats.drafting_steps)

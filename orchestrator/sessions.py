@@ -71,7 +71,7 @@ class RemoteSession:
         self.last_pass: PassCost | None = None  # the batched pass that served the last call, as it said
         # Of the tokens of the first call that opened the session (a cursor from token 0, the prompt's
         # prefill), those the service took from its prefix cache, as it said; None: no such reply yet
-        self.prefix_cached_tokens: int | None = None
+        self.cached_prompt_tokens: int | None = None
 
     def timeout(self, cap: float | None = None) -> float:
         """Timeout of one call: min(seconds left of the request's deadline, the per-call cap)."""
@@ -186,8 +186,8 @@ class RemoteSession:
                         self.held, self.opened = [], True  # opened before the call: a lost reply still gets a Release
                     cursor = self.cursor(committed)
                     reply, seconds, self.last_pass = await _served(send(cursor))
-                    if cursor.start == 0 and self.prefix_cached_tokens is None:  # the call that opened it
-                        self.prefix_cached_tokens = getattr(reply, "prefix_cached_tokens", 0)
+                    if cursor.start == 0 and self.cached_prompt_tokens is None:  # the call that opened it
+                        self.cached_prompt_tokens = getattr(reply, "cached_prompt_tokens", 0)
                     return reply, seconds
                 except grpc.aio.AioRpcError as error:
                     if not resyncs_left or error.code() not in RESYNC_CODES:

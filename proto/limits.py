@@ -17,7 +17,7 @@ EXACTNESS = ("bitwise", "batched")
 # max_cached_tokens = 0: "auto", the service derives it from its device when it loads (model/service.py):
 # on a GPU what fits in the memory free after loading, on a CPU the default below.
 AUTO_CACHED_TOKENS = 0
-AUTO_PREFIX_TOKENS = -1  # --prefix-cache-tokens left out: the service sizes its prefix store (model/service.py)
+AUTO_PREFIX_TOKENS = -1  # --prefix-cache-tokens left out: the service sizes its prefix cache (model/service.py)
 MAX_CACHE_SALT_CHARS = 256  # a request's cache_salt (GenerateRequest, SessionCursor): longer is INVALID_ARGUMENT
 # gRPC's message limit, send and receive, on the services and on the orchestrator's channels to them:
 # past gRPC's 4 MiB default for the tokenizer files (Qwen2.5's tokenizer.json is 11 MB) and the q rows.
@@ -70,7 +70,7 @@ class Limits:
     max_batch_tokens: int = 256  # new tokens in one batched pass
     batch_wait_ms: float = 10.0  # how long a pass may wait for the sessions the last one served
     max_q_bytes: int = 4 * 1024 * 1024  # the draft's: q rows of one sampled Propose reply, as encoded (q_bytes)
-    # Tokens of prompt KV the prefix store keeps beyond the live sessions (model/prefix_cache.py);
+    # Tokens of prompt KV the prefix cache keeps beyond the live sessions (model/prefix_cache.py);
     # AUTO_PREFIX_TOKENS: min(16384, max_cached_tokens // 4); 0 turns the store off.
     prefix_cache_tokens: int = AUTO_PREFIX_TOKENS
 

@@ -39,7 +39,7 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         sessions' calls share its passes and take turns), continuing where the last one left off."""
         call, steps = await parsed(context, _decode_call, request)
         run = await self.thread.batch(context, Verifier.verify_batch, call)
-        reused = _prefix_cached(run)  # the run's first call is the one that may open the session
+        reused = _cached_prompt(run)  # the run's first call is the one that may open the session
         stops = set(request.stop_token_ids)
         while len(run.emitted_tokens) < steps and run.emitted_tokens[-1] not in stops:
             call = call.following(run)
@@ -84,14 +84,14 @@ def _verify_call(request: target_pb2.VerifyRequest) -> VerifyCall:
     )
 
 
-def _prefix_cached(verification: Verification) -> int:
+def _cached_prompt(verification: Verification) -> int:
     """Of the call's cursor tokens, those the target took from its prefix cache (0 where the
     verifier does not say)."""
-    return getattr(verification, "prefix_cached_tokens", 0)
+    return getattr(verification, "cached_prompt_tokens", 0)
 
 
-def _verify_response(verification: Verification, prefix_cached: int | None = None) -> target_pb2.VerifyResponse:
-    """The reply; `prefix_cached`: a Decode run's, from its first call (default: the verification's own)."""
+def _verify_response(verification: Verification, cached_prompt: int | None = None) -> target_pb2.VerifyResponse:
+    """The reply; `cached_prompt`: a Decode run's, from its first call (default: the verification's own)."""
     return target_pb2.VerifyResponse(
         accepted=verification.accepted,
         emitted_tokens=verification.emitted_tokens,
@@ -100,7 +100,7 @@ def _verify_response(verification: Verification, prefix_cached: int | None = Non
         top_logprobs=top_logprobs_messages(verification.top_logprobs),
         prompt_logprobs=verification.prompt_logprobs,
         prompt_top_logprobs=top_logprobs_messages(verification.prompt_top_logprobs),
-        prefix_cached_tokens=_prefix_cached(verification) if prefix_cached is None else prefix_cached,
+        cached_prompt_tokens=_cached_prompt(verification) if cached_prompt is None else cached_prompt,
     )
 
 

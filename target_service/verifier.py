@@ -54,7 +54,7 @@ class Verification:
     prompt_logprobs: list[float] = field(default_factory=list)  # of cursor.tokens[1:], when asked
     prompt_top_logprobs: list[tuple[list[int], list[float]]] = field(default_factory=list)
     fingerprint: int = 0  # of the cached tokens, when the call asked (`follow`)
-    prefix_cached_tokens: int = 0  # cursor tokens the prefix store served (the call that opened the session)
+    cached_prompt_tokens: int = 0  # cursor tokens the prefix cache served (the call that opened the session)
 
     def then(self, step: "Verification") -> "Verification":
         """This run's tokens followed by a later step's (a Decode run: no guesses, nothing accepted)."""
@@ -108,7 +108,7 @@ class Verifier(ModelService):
         self.store.truncate(session, first_position + verdict.accepted)  # the rollback
         verification = Verification(verdict.accepted, verdict.emitted, [], len(session.tokens))
         if call.cursor.start == 0:
-            verification.prefix_cached_tokens = session.reused
+            verification.cached_prompt_tokens = session.reused
         if call.follow:
             verification.fingerprint = fingerprint(session.tokens)
         if call.return_logprobs:  # from the raw logits: vLLM's raw logprobs (target.proto)

@@ -73,7 +73,7 @@ class FakeService:
         self.failures: dict[str, list[grpc.aio.AioRpcError]] = {}  # method -> errors its next calls raise
         self.claim: int | None = None  # answer this cached_tokens once instead of the truth
         self.delays: dict[str, float] = {}  # method -> seconds its calls take
-        self.reused: list[int] = []  # prefix_cached_tokens its next calls that open a session answer
+        self.reused: list[int] = []  # cached_prompt_tokens its next calls that open a session answer
 
     def methods(self) -> list[str]:
         return [method for method, _, _ in self.calls]
@@ -117,7 +117,7 @@ class FakeService:
         if self.claim is not None and method != "Release":
             reply.cached_tokens, self.claim = self.claim, None
         if method in ("Verify", "Decode") and request.cursor.start == 0 and self.reused:
-            reply.prefix_cached_tokens = self.reused.pop(0)  # this call opened the session: its prefix cache's
+            reply.cached_prompt_tokens = self.reused.pop(0)  # this call opened the session: its prefix cache's
         return FakeCall(reply, self.seconds, delay)
 
     def _sync(self, cursor: common_pb2.SessionCursor) -> list[int]:

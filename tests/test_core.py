@@ -188,5 +188,5 @@ async def test_the_prompt_tokens_served_from_cache_reach_the_final_usage_and_the
     assert served.pool.requests[0].cache_salt == ""
     usage = to_proto(finished).final.usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 1, 2)
-    assert sample(served.metrics.registry, "specd_prompt_cached_tokens_total") == 2
+    assert sample(served.metrics.registry, "specd_cached_prompt_tokens_total") == 2
     assert sample(served.metrics.registry, "specd_prompt_tokens_total") == 3

@@ -404,10 +404,29 @@ async def test_chat_on_the_tiny_stack_gives_grpc_and_http_the_same_text_every_tu
         cached = [turn["cached_prompt_tokens"] for turn in run["per_turn"]]
         assert all(isinstance(value, int) and value >= 0 for value in cached)  # the server said, every turn
         # Turn 2 opens with turn 1's prompt (over 150 tokens): its whole blocks come from the target's
-        # prefix store, two at least, for each of the two conversations.
+        # prefix cache, two at least, for each of the two conversations.
         assert cached[1] >= 2 * 2 * BLOCK_TOKENS
     assert grpc_run["acceptance_rate"] is not None and "acceptance_rate" not in http_run
     assert report["outputs_match"][0]["identical"] and report["outputs_match"][0]["turns_compared"] == 4
     assert report["settings"]["server_info"]["workers"] == 2
     chat_report.save_chat_plot(report, tmp_path / "tiny.png")
     assert (tmp_path / "tiny.png").read_bytes().startswith(PNG_SIGNATURE)
+
+
+async def test_the_same_short_prompt_twice_takes_all_of_it_but_its_last_token_from_the_store(tiny_stack, tiny_http):
+    """Issue 49, short prompts: a prompt under one block, sent again over gRPC and over HTTP, reports
+    every prompt token but its last as cached (the first send: none), and its greedy text is the same."""
+    url, _ = tiny_http
+    for number, target in enumerate(
+        [loadtest.GrpcTarget(f"127.0.0.1:{tiny_stack.orchestrator.port}"), openai_client.OpenAiTarget(url)]
+    ):
+        prompt = f"# short prompt {number}, sent twice by test_loadtest_chat\ndef twice_{number}():"
+        settings = Settings("", [prompt], max_new_tokens=6, draft_tokens=2, timeout=60.0)
+        await target.open(60.0)
+        try:
+            first, second = [await target.send(settings, 0) for _ in range(2)]
+        finally:
+            await target.close()
+        assert first.ok and second.ok and 1 < second.prompt_tokens < BLOCK_TOKENS
+        assert (first.cached_prompt_tokens, second.cached_prompt_tokens) == (0, second.prompt_tokens - 1)
+        assert first.text == second.text and first.completion_tokens == second.completion_tokens == 6

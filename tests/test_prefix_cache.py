@@ -1,4 +1,4 @@
-"""The prefix store (model/prefix_cache.py) and the session store's use of it (model/sessions.py):
+"""The prefix cache (model/prefix_cache.py) and the session store's use of it (model/sessions.py):
 whole-block hits under a salt, leaves only, least recently used out under the budget; a session
 started from a kept prefix scores bit for bit as a fresh prefill on the llama.cpp engine."""
 
@@ -58,13 +58,38 @@ def test_only_leaves_are_kept_a_longer_prefix_replaces_the_one_it_extends():
     chat = tokens(4, 5 * B)
     cache.insert("", chat[: 2 * B], Copy(10))
     assert cache.wants("", chat[: 2 * B]) == 0  # held already
-    assert cache.wants("", chat[: 4 * B + 3]) == 4 * B
+    assert cache.wants("", chat[: 4 * B + 3]) == 4 * B + 3  # a head: its blocks and its tail
     cache.insert("", chat[: 4 * B], Copy(20))
     stats = cache.stats()
     assert (stats.entries, stats.blocks, stats.tokens, stats.bytes, stats.evictions) == (1, 4, 4 * B, 20, 0)
     assert cache.lookup("", chat, most=5 * B)[1] == 4 * B
     cache.insert("x", chat[: 2 * B], Copy(10))  # the same tokens under another salt: an entry of its own
     assert cache.stats().entries == 2
+
+
+def test_a_head_that_ends_inside_a_block_is_found_whole_and_only_as_itself():
+    """Issue 49, short prompts: the tail after a head's last whole block is restorable only by a call
+    whose head is exactly those tokens (a fresh prefill of it makes the same last call); under a
+    block there is nothing else to find."""
+    cache = PrefixCache(budget_tokens=10 * B)
+    prompt = tokens(40, B + 10)
+    cache.insert("", prompt, Copy(10))
+    assert cache.lookup("", prompt + [7], most=B + 10)[1] == B + 10
+    assert cache.lookup("", prompt + [7, 8], most=B + 11)[1] == B  # a longer head: the block only
+    assert cache.lookup("", prompt, most=B + 9)[1] == B  # a shorter one: the block only
+    assert cache.lookup("", prompt[:B] + tokens(41, 10), most=B + 10)[1] == B  # another tail
+    short = tokens(42, 20)
+    cache.insert("", short, Copy(10))
+    assert cache.lookup("", short + [7], most=20)[1] == 20
+    assert cache.lookup("", short, most=19) == (None, 0)
+    assert cache.lookup("tenant", short + [7], most=20) == (None, 0)
+    assert cache.wants("", short) == 0 and cache.wants("", short + [7]) == 21
+    longer = prompt + [7]  # the same block and a longer tail: the shorter is dropped for it
+    cache.insert("", longer, Copy(10))
+    assert cache.lookup("", prompt + [7], most=B + 10)[1] == B and cache.stats().entries == 2
+    assert cache.lookup("", longer + [9], most=B + 11)[1] == B + 11 and cache.stats().blocks == 1
+    # An entry under a block is found by its head alone: one that a longer entry starts with stays
+    # until the budget evicts it (still serving its own head), as finding it would cost a hash a length.
 
 
 def test_the_least_recently_used_entry_goes_first_and_the_budget_holds():
@@ -145,6 +170,35 @@ def test_a_session_from_a_kept_prefix_scores_bit_for_bit_as_a_fresh_prefill(llam
     assert stats.hit_tokens == 3 * 3 * B and stats.miss_tokens > 0
 
 
+def test_the_same_short_prompt_again_computes_only_its_last_token_bit_for_bit(llama):
+    """Issue 49, short prompts: a prompt under a block, sent again, restores every token but its last
+    and scores it, and the steps after it, bit for bit as a fresh prefill; an opening Verify (drafts
+    after the prompt) finds it too. A prompt that only starts with it finds nothing: its prefill's
+    last call would be another."""
+    cached, fresh = store(llama, 4096), store(llama, 0)
+    prompt = tokens(43, 30)
+    opening(cached, "first", prompt)
+    cached.release("first")
+    head = len(prompt) - 1
+    calls = (  # session, its cursor's tokens, its first row, the logits it keeps, tokens restored
+        ("again", prompt, prompt, 1, head),
+        ("verify", prompt, prompt + [5, 6, 7], 4, head),
+        ("longer", prompt + [9], prompt + [9], 1, 0),
+    )
+    for session_id, cursor, row, keep, reused in calls:
+        cached.sync(Cursor(session_id, 0, 0, cursor))
+        logits = cached.forward([Row(session_id, row, keep)])[0]
+        fresh.sync(Cursor(f"fresh {session_id}", 0, 0, cursor))  # both stores share the engine
+        assert torch.equal(logits, fresh.forward([Row(f"fresh {session_id}", row, keep)])[0])
+        assert cached.sessions[session_id].reused == reused
+        for step in ([5], [6, 7, 8]):
+            ahead = cached.forward([Row(session_id, step, len(step))])[0]
+            assert torch.equal(ahead, fresh.forward([Row(f"fresh {session_id}", step, len(step))])[0])
+        cached.release(session_id)
+        fresh.release(f"fresh {session_id}")
+    assert cached.prefix.stats().hit_tokens == 2 * (len(prompt) - 1)
+
+
 def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
     cached = store(llama, 4096)
     prompt = tokens(14, 2 * B + 9)
@@ -152,7 +206,7 @@ def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
     opening(cached, "b", prompt, salt="tenant-b")
     assert cached.sessions["b"].reused == 0  # never a block of tenant a's
     opening(cached, "a2", prompt, salt="tenant-a")
-    assert cached.sessions["a2"].reused == 2 * B  # the same salt shares
+    assert cached.sessions["a2"].reused == len(prompt) - 1  # the same salt shares: the same head whole
     opening(cached, "none", prompt)
     assert cached.sessions["none"].reused == 0  # no salt: the shared pool, which holds nothing yet
     for session_id in list(cached.sessions):
@@ -164,15 +218,17 @@ def test_a_call_that_wants_logits_for_the_kept_prefix_computes_them(llama):
     cached, fresh = store(llama, 4096), store(llama, 0)
     prompt = tokens(15, 2 * B + 4)
     opening(cached, "seed", prompt)
-    cached.sync(Cursor("all", 0, 0, prompt))
-    assert cached.sessions["all"].reused == 2 * B
-    every = cached.forward([Row("all", prompt, len(prompt))])[0]
-    fresh.sync(Cursor("all", 0, 0, prompt))
-    assert torch.equal(every, fresh.forward([Row("all", prompt, len(prompt))])[0])
-    assert cached.sessions["all"].reused == 0 and len(cached.sessions["all"].tokens) == len(prompt)
-    for session_id in ("seed", "all"):
-        cached.release(session_id)
-    fresh.release("all")
+    for keep, reused in ((len(prompt), 0), (3, 2 * B)):  # every row; the last 3, inside the restored tail
+        cached.sync(Cursor("all", 0, 0, prompt))
+        assert cached.sessions["all"].reused == len(prompt) - 1
+        kept = cached.forward([Row("all", prompt, keep)])[0]
+        fresh.sync(Cursor("all", 0, 0, prompt))
+        assert torch.equal(kept, fresh.forward([Row("all", prompt, keep)])[0])
+        # given back to whole blocks: the tail is exact only as the head it was prefilled as
+        assert cached.sessions["all"].reused == reused and len(cached.sessions["all"].tokens) == len(prompt)
+        cached.release("all")
+        fresh.release("all")
+    cached.release("seed")
 
 
 def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
@@ -184,7 +240,7 @@ def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
     stats = cached.prefix.stats()
     assert stats.entries == 4 and stats.evictions == 12 and stats.hit_tokens == 0
     opening(cached, "again", tokens(115, 2 * B + 5))  # the last one is still held
-    assert cached.sessions["again"].reused == 2 * B
+    assert cached.sessions["again"].reused == 2 * B + 4  # its head whole, tail and all
     cached.release("again")
 
 
@@ -197,14 +253,15 @@ def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(ll
     prompt = tokens(16, 2 * B + 6)
     opening(cached, "seed", prompt)
     cached.sync(Cursor("again", 0, 0, prompt))
-    assert cached.sessions["again"].skip == 2 * B
+    assert cached.sessions["again"].skip == len(prompt) - 1
     with monkeypatch.context() as failing:
         failing.setattr(llama, "forward", lambda rows: (_ for _ in ()).throw(RuntimeError("a pass failed")))
         with pytest.raises(RuntimeError):
             cached.forward([Row("again", prompt, 1)])
     cached.sync(Cursor("again", 0, 0, prompt))  # the retry, from token 0
     session = cached.sessions["again"]
-    assert (session.skip, session.reused, session.tokens) == (2 * B, 2 * B, prompt[: 2 * B])  # restored anew
+    head = len(prompt) - 1
+    assert (session.skip, session.reused, session.tokens) == (head, head, prompt[:head])  # restored anew
     logits = cached.forward([Row("again", prompt, 1)])[0]
     assert torch.equal(logits, opening(fresh, "fresh", prompt)) and session.tokens == prompt
     for session_id in ("seed", "again"):
@@ -223,7 +280,7 @@ def test_a_live_session_prefilled_again_from_token_0_starts_from_the_store(llama
     cached.forward([Row("live", [7], 1)])
     again = prompt + tokens(20, 9)  # its tokens as the orchestrator holds them, from token 0
     cached.sync(Cursor("live", 0, 0, again))
-    assert cached.sessions["live"].reused == 2 * B  # what the verifier reports as prefix_cached_tokens
+    assert cached.sessions["live"].reused == 2 * B  # what the verifier reports as cached_prompt_tokens
     logits = cached.forward([Row("live", again, 1)])[0]
     assert torch.equal(logits, opening(fresh, "fresh", again))
     assert cached.sessions["live"].tokens == again
@@ -297,6 +354,7 @@ def test_out_of_room_the_store_is_emptied_only_where_its_copies_take_the_kvs_mem
     passes.clear()
     monkeypatch.setattr(llama, "copies_take_kv_memory", True)
     cached.forward([Row("next", tokens(23, 10), 1)])
-    assert cached.prefix.stats().entries == 0 and len(passes) == 2  # emptied, then the pass ran again
+    stats = cached.prefix.stats()  # emptied (the seed's two blocks evicted), then the pass ran again
+    assert (stats.evictions, stats.blocks, len(passes)) == (1, 0, 2)
     for session_id in ("seed", "next"):
         cached.release(session_id)

@@ -1,5 +1,5 @@
-"""The transformers engine's part of the prefix store (model/engine.py `reusable`, `snapshot`,
-`restore`; docs/architecture.md §4, the prefix store): a session restored from a snapshot of a
+"""The transformers engine's part of the prefix cache (model/engine.py `reusable`, `snapshot`,
+`restore`; docs/architecture.md §4, the prefix cache): a session restored from a snapshot of a
 prefix, then forwarded over the rest of the prompt, gives the logits a fresh session forwarded over
 the whole prompt gives, in float32, from a session's own DynamicCache and from its static row,
 alone, in a padded batch and through CUDA graphs (the `gpu` test)."""

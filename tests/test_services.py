@@ -354,7 +354,7 @@ async def test_a_call_from_token_0_opens_the_session_and_equals_prefill_then_the
 
 async def test_the_salt_reaches_every_call_and_the_opening_calls_reuse_comes_back(tiny_services, monkeypatch):
     """Each RPC hands the service the cursor's cache_salt; a Verify or Decode (a run: its first call)
-    answers prefix_cached_tokens as the verifier said it for the call that opened the session."""
+    answers cached_prompt_tokens as the verifier said it for the call that opened the session."""
     from specd.draft_service.drafter import Drafter
     from specd.model.errors import EngineError
     from specd.target_service.verifier import Verifier
@@ -366,7 +366,7 @@ async def test_the_salt_reaches_every_call_and_the_opening_calls_reuse_comes_bac
         results = verify_batch(service, calls)
         for call, result in zip(calls, results):
             if not isinstance(result, EngineError):
-                result.prefix_cached_tokens = 4 if call.cursor.start == 0 else 0
+                result.cached_prompt_tokens = 4 if call.cursor.start == 0 else 0
         return results
 
     def recorded(method, name):
@@ -384,13 +384,13 @@ async def test_the_salt_reaches_every_call_and_the_opening_calls_reuse_comes_bac
     salted = cursor("salted", PROMPT, 0)
     salted.cache_salt = "tenant-a"
     run = await tiny_services.target.Decode(target_pb2.DecodeRequest(cursor=salted, steps=3))
-    assert len(run.emitted_tokens) == 3 and run.prefix_cached_tokens == 4  # from the run's first call
+    assert len(run.emitted_tokens) == 3 and run.cached_prompt_tokens == 4  # from the run's first call
     committed = PROMPT + list(run.emitted_tokens)
     after = cursor("salted", committed, len(committed) - 1)
     after.cache_salt = "tenant-a"
     assert (
         await tiny_services.target.Verify(target_pb2.VerifyRequest(cursor=after, draft_tokens=[5]))
-    ).prefix_cached_tokens == 0
+    ).cached_prompt_tokens == 0
     assert await tiny_services.draft.Propose(draft_pb2.ProposeRequest(cursor=salted, num_draft_tokens=2))
     for stub in (tiny_services.draft, tiny_services.target):
         await stub.Prefill(
