@@ -19,9 +19,8 @@ from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc
 
 def build_request(settings: Settings, index: int) -> specdecode_pb2.GenerateRequest:
     """Request number `index`: the prompts in turn, a seed of its own."""
-    prompt = settings.prompts[index % len(settings.prompts)]
     return make_request(
-        prompt,
+        settings.prompt(index),
         max_new_tokens=settings.max_new_tokens,
         temperature=settings.temperature,
         seed=settings.seed + index,

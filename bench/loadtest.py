@@ -38,6 +38,7 @@ import itertools
 import os
 import platform
 import random
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, replace
@@ -160,6 +161,7 @@ async def run_loadtest(
     repeats: int = 1,
     warmup: int = WARMUP_REQUESTS,
     targets: list | None = None,
+    unique_prompts: bool = False,
 ) -> dict:
     """A closed-loop run per concurrency level, then an open-loop run per rate: {"runs": [...], "settings": {...}}.
 
@@ -169,7 +171,10 @@ async def run_loadtest(
     list in the report (`comparison`). First, `warmup` short requests per target and mode, not
     measured: the first run would otherwise pay the stack's cold start (and the K chooser's first
     measurements) alone. An OpenAI target that cannot be used raises openai_client.TargetError.
+    `unique_prompts`: every run and warm-up opens its prompts with a tag of its own
+    (Settings.unique_tag), so that no prompt repeats within the load test.
     """
+    tagged = (lambda s: replace(s, unique_tag=secrets.token_hex(4))) if unique_prompts else (lambda s: s)
     targets = list(targets) if targets else [GrpcTarget(settings.server)]
     names = [target.name for target in targets]
     if len(set(names)) < len(names):
@@ -192,7 +197,8 @@ async def run_loadtest(
             modes = dict.fromkeys(plan[2] for plan in plans) if target.speculation else [None]
             for mode in modes if warmup else ():
                 warm = replace(settings, max_new_tokens=min(settings.max_new_tokens, WARMUP_TOKENS))
-                await closed_loop(target, replace(warm, draft_tokens=0) if mode == "off" else warm, 1, warmup)
+                warm = replace(warm, draft_tokens=0) if mode == "off" else warm
+                await closed_loop(target, tagged(warm), 1, warmup)
         for (kind, level, mode, repeat), target in itertools.product(plans, targets):
             label = f"concurrency {level}" if kind == "closed" else f"rate {level:g}/s"
             if compare:
@@ -201,7 +207,7 @@ async def run_loadtest(
                 label += f" {target.name}"
             advance = progress(label, requests) if progress else (lambda: None)
             run = closed_loop if kind == "closed" else open_loop
-            run_settings = replace(settings, draft_tokens=0) if mode == "off" else settings
+            run_settings = tagged(replace(settings, draft_tokens=0) if mode == "off" else settings)
             before = await target.passes(settings.timeout)
             result = await run(target, run_settings, level, requests, advance)
             if target.speculation:
@@ -215,7 +221,12 @@ async def run_loadtest(
         report["comparison"] = comparison(runs)
     server_info = next((target.info for target in targets if target.backend == "grpc"), None)
     report["settings"] = _settings_dict(settings, requests, concurrency, rates, prompts_file, server_info)
-    report["settings"] |= {"compare": compare, "repeats": repeats, "warmup_requests": warmup}
+    report["settings"] |= {
+        "compare": compare,
+        "repeats": repeats,
+        "warmup_requests": warmup,
+        "unique_prompts": unique_prompts,
+    }
     report["settings"]["targets"] = [target.describe() for target in targets]
     return report
 

@@ -97,6 +97,7 @@ def summarize_run(
         "wall_s": wall,
         "output_tokens": tokens,
         "output_tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        **prompt_tokens(done),
         "requests_per_s": len(done) / wall if wall > 0 else 0.0,
         "ttft_s": percentiles([r.ttft for r in done if r.ttft is not None]),
         "tpot_s": percentiles([r.tpot for r in done if r.tpot is not None]),
@@ -106,6 +107,14 @@ def summarize_run(
         "errors": dict(sorted(Counter(r.error for r in results if not r.ok).items())),
         **vllm_fields(results, wall),
     }
+
+
+def prompt_tokens(done: list[RequestResult]) -> dict:
+    """The prompt tokens the server counted over the run's completed requests, and of those the ones
+    it served from its prefix cache (None: no request's server said)."""
+    said = [r.cached_prompt_tokens for r in done if r.cached_prompt_tokens is not None]
+    counted = [r.prompt_tokens for r in done if r.prompt_tokens is not None]
+    return {"prompt_tokens": sum(counted) if counted else None, "cached_prompt_tokens": sum(said) if said else None}
 
 
 def vllm_fields(results: list[RequestResult], wall: float) -> dict:

@@ -207,7 +207,7 @@ class OpenAiTarget:
                 streamed = await stream_completion(
                     self.client,
                     self.model,
-                    settings.prompts[index % len(settings.prompts)],
+                    settings.prompt(index),
                     settings.max_new_tokens,
                     settings.temperature,
                     settings.seed + index,

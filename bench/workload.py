@@ -35,6 +35,15 @@ class Settings:
     drafter: str = ""  # "": the server's default drafter
     ignore_eos: bool = True
     timeout: float = 600.0
+    # Where every prompt of a run is opened by a line of its own (`--unique-prompts`): that run's tag,
+    # new for each run and each target's warm-up, so no prompt of the load test repeats, nor its
+    # prefix beyond the comment mark, and no server can answer one from its prefix cache. "": off.
+    unique_tag: str = ""
+
+    def prompt(self, index: int) -> str:
+        """Request number `index`'s prompt: the prompts in turn, opened by `# <tag>-<index>` where set."""
+        prompt = self.prompts[index % len(self.prompts)]
+        return f"# {self.unique_tag}-{index}\n{prompt}" if self.unique_tag else prompt
 
 
 @dataclass

@@ -107,6 +107,12 @@ def add_parser(verbs) -> None:
         "bench/prose.jsonl: LLMPerf-style prose)",
     )
     parser.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="open every prompt with a line of its own (`# <run tag>-<request>`), warm-ups too, so that no "
+        "prompt repeats and no server answers one from its prefix cache",
+    )
+    parser.add_argument(
         "--chat",
         nargs="?",
         const="",
@@ -209,6 +215,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
                     repeats=args.repeats,
                     warmup=args.warmup,
                     targets=targets,
+                    unique_prompts=args.unique_prompts,
                 )
             )
         except _target_errors(targets) as error:  # a server that refuses connections, no model, ...
@@ -232,6 +239,7 @@ def run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "--repeats": args.repeats != 1,
         "--requests": args.requests is not None,
         "--prompts": args.prompts is not None,
+        "--unique-prompts": args.unique_prompts,
     }
     for flag, given in refused.items():
         if given:

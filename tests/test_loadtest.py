@@ -354,3 +354,29 @@ def test_command_line_refuses_unusable_target_flags(argv, message, capsys):
         cli(["loadtest", *argv])
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+async def test_unique_prompts_never_repeat_so_no_server_serves_one_from_its_cache(tiny_stack, tiny_http):
+    """Issue 50's fair benchmark: one prompt sent again and again is served from the prefix cache
+    (gRPC Final stats and OpenAI usage both say so, and the report sums it); with --unique-prompts
+    every request, warm-ups included, opens with a line of its own run's tag and nothing is cached."""
+    url, _ = tiny_http
+    grpc_address = f"127.0.0.1:{tiny_stack.orchestrator.port}"
+    prompt = "# unique-prompts test of tests/test_loadtest.py\ndef again():"
+    settings = settings_for(grpc_address, prompts=[prompt], max_new_tokens=4)
+    assert settings.prompt(5) == prompt
+    tagged = loadtest.Settings(**{**settings.__dict__, "unique_tag": "t1"})
+    assert tagged.prompt(5) == f"# t1-5\n{prompt}" and tagged.prompt(6) != tagged.prompt(5)
+    for unique in (False, True):
+        targets = [loadtest.GrpcTarget(grpc_address), openai_client.OpenAiTarget(url)]
+        report = await loadtest.run_loadtest(
+            settings, requests=3, concurrency=[1, 2], targets=targets, warmup=1, unique_prompts=unique
+        )
+        assert report["settings"]["unique_prompts"] is unique
+        for run in report["runs"]:
+            assert run["errors"] == {} and run["prompt_tokens"] == sum(run["input_lens"]) > 0
+            if unique:
+                assert run["cached_prompt_tokens"] == 0, run["target"]
+            else:  # the warm-up sent it first: every request of the run takes all but its last token
+                assert run["cached_prompt_tokens"] == run["prompt_tokens"] - 3, run["target"]
+        assert loadtest_report.summary_table(report).row_count == 4
