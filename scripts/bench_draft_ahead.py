@@ -269,7 +269,7 @@ def tiny_models() -> dict[str, str]:
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
-    from specd.model.store import resolve_tokenizer
+    from specd.model.fetch import resolve_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="specd-tiny-"))
     tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer("draft"))

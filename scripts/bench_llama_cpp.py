@@ -153,7 +153,7 @@ async def main(args) -> dict:
             server.wait()
         from transformers import AutoTokenizer
 
-        from specd.model.store import resolve_tokenizer
+        from specd.model.fetch import resolve_tokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_tokenizer("target"))
         encode = lambda text: tokenizer(text, add_special_tokens=False).input_ids  # noqa: E731

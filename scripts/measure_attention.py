@@ -84,7 +84,8 @@ def measure(engine, contexts: list[int]) -> dict:
 def main() -> None:
     from transformers import AutoTokenizer
 
-    from specd.model.store import find_spec, gguf_path, resolve_tokenizer
+    from specd.model.fetch import resolve_tokenizer
+    from specd.model.store import find_spec, gguf_path
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gguf", type=Path, default=None, help="default: the default target's GGUF")

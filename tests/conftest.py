@@ -11,8 +11,8 @@ from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specd.draft_service.drafter import Drafter
 from specd.draft_service.server import create_draft_server
+from specd.model.fetch import resolve_tokenizer
 from specd.model.loading import load_model
-from specd.model.store import resolve_tokenizer
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.limits import Limits
 from specd.target_service.server import create_target_server

@@ -16,8 +16,9 @@ import pytest
 
 from specd.model import fetch as fetching
 from specd.model import progress, store
+from specd.model.fetch import resolve_model, resolve_tokenizer
 from specd.model.loading import load_engine, load_model
-from specd.model.store import ModelNotFetchedError, ModelSpec, resolve_model, resolve_tokenizer
+from specd.model.store import ModelNotFetchedError, ModelSpec
 
 
 def _spec_of(gguf: Path) -> ModelSpec:

@@ -9,6 +9,7 @@
   client commands, has not loaded torch or transformers (each would cost seconds at every start).
 """
 
+import ast
 import json
 import shutil
 import subprocess
@@ -65,3 +66,48 @@ def test_the_code_is_linted_and_formatted():
         [tool("ruff"), "format", "--check", "--no-cache", "."], cwd=ROOT, capture_output=True, text=True
     )
     assert formatted.returncode == 0, f"run `.venv/bin/ruff format .`:\n{formatted.stdout}{formatted.stderr}"
+
+
+COMPONENTS = ("cli", "bench", "deploy", "orchestrator", "draft_service", "target_service", "serving", "model", "proto")
+
+
+def imported_components() -> set[tuple[str, str]]:
+    """(component, component it imports) over every module of every component folder, lazy imports
+    inside functions included; specd.v1 (the generated stubs) is proto/'s."""
+    arrows = set()
+    for component in COMPONENTS:
+        for path in (ROOT / component).rglob("*.py"):
+            if path.name.endswith(("_pb2.py", "_pb2_grpc.py")):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Import):
+                    names = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    names = [node.module]
+                else:
+                    continue
+                for name in names:
+                    parts = name.split(".")
+                    if parts[0] == "specd" and len(parts) > 1:
+                        other = "proto" if parts[1] == "v1" else parts[1]
+                        if other in COMPONENTS and other != component:
+                            arrows.add((component, other))
+    return arrows
+
+
+def test_the_architecture_page_draws_the_import_graph():
+    """docs/architecture.md §1's block of floors is the component import graph the code has."""
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    block = page.split("<!-- the component import graph: tests/test_layering.py checks it -->\n```text\n", 1)[1]
+    drawn, floors = set(), []
+    for line in block.split("```", 1)[0].splitlines():
+        if "-->" not in line:
+            continue
+        component, imports = (part.strip() for part in line.split("(", 1)[0].split("-->"))
+        floors.append(component)
+        if imports != "nothing of specd":
+            drawn |= {(component, other.strip()) for other in imports.split(",")}
+    assert sorted(floors) == sorted(COMPONENTS), floors
+    derived = imported_components()
+    assert drawn == derived, f"drawn, not in the code: {drawn - derived}; in the code, not drawn: {derived - drawn}"
+    assert all(floors.index(a) < floors.index(b) for a, b in derived), "an arrow points up a floor"

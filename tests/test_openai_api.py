@@ -209,7 +209,7 @@ def delta(after: dict, before: dict, name: str) -> float:
 @pytest.mark.real
 async def test_real_pair_openai_completion_and_streamed_chat_equal_grpc(real_stack):
     """The issue's acceptance test: the official client against the real pair, greedy == gRPC."""
-    from specd.model.store import resolve_tokenizer
+    from specd.model.fetch import resolve_tokenizer
 
     http_api = HttpApi(real_stack.orchestrator.core)
     port = await http_api.start("127.0.0.1", 0)

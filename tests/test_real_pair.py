@@ -19,9 +19,10 @@ import torch
 from conftest import real_service_process, requires_gpu, serve_draft_beside, start_services
 from transformers import AutoTokenizer
 
+from specd.model.fetch import resolve_model
 from specd.model.loaded import tokenizer_fingerprint
 from specd.model.loading import load_model
-from specd.model.store import ModelNotFetchedError, resolve_model
+from specd.model.store import ModelNotFetchedError
 from specd.model.transformers_engine import TransformersEngine
 from specd.proto.contract import fingerprint
 from specd.v1 import common_pb2, draft_pb2, target_pb2, target_pb2_grpc

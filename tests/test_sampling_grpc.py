@@ -36,9 +36,9 @@ from test_faults import DraftProcess
 from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
 from specd.model import acceptance
+from specd.model.fetch import resolve_tokenizer
 from specd.model.loading import load_model
 from specd.model.sampling import Sampling, probs_from_logits, sample
-from specd.model.store import resolve_tokenizer
 from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.server import OrchestratorServer

@@ -12,7 +12,7 @@ import pytest
 
 from specd.model import fetch as fetching
 from specd.model import store
-from specd.model.fetch import assemble_gguf, fetch
+from specd.model.fetch import assemble_gguf, fetch, resolve_model, resolve_tokenizer
 from specd.model.store import (
     DEFAULT_PAIR,
     DRAFT_SPEC,
@@ -21,7 +21,6 @@ from specd.model.store import (
     ModelNotFetchedError,
     ModelSpec,
     list_models,
-    resolve_model,
 )
 
 PARTS = 3
@@ -298,15 +297,15 @@ def test_resolve_a_fetched_name_and_its_role_alias(cache, monkeypatch):
     folder = _fake_converted_entry(TARGET_SPEC)
     assert resolve_model(TARGET_SPEC.name) == str(folder)
     assert resolve_model("target") == str(folder)
-    assert store.resolve_tokenizer("target") == str(folder)  # a converted folder holds the tokenizer too
+    assert resolve_tokenizer("target") == str(folder)  # a converted folder holds the tokenizer too
     _fake_fetched_entry(TARGET_SPEC)
-    assert store.resolve_tokenizer("target") == str(store.tokenizer_dir(TARGET_SPEC))
+    assert resolve_tokenizer("target") == str(store.tokenizer_dir(TARGET_SPEC))
 
 
 def test_resolve_an_unfetched_name_says_how_to_fetch(cache, monkeypatch):
     _refuse_downloads(monkeypatch)  # loading never downloads: only `specd models fetch` does
     for name in (DRAFT_SPEC.name, "draft"):
-        for resolve in (resolve_model, store.resolve_tokenizer):
+        for resolve in (resolve_model, resolve_tokenizer):
             with pytest.raises(ModelNotFetchedError, match="specd models fetch"):
                 resolve(name)
 

@@ -3,7 +3,7 @@
 import pytest
 from tokenizers import Tokenizer
 
-from specd.model.store import resolve_tokenizer
+from specd.model.fetch import resolve_tokenizer
 from specd.orchestrator.text import OutputText
 
 SAMPLES = ["héllo wörld, 日本語のテキスト 🚀🎉 end", "def f(x):\n    return x  # ∑ → ∞", "  leading spaces\tand tabs"]
