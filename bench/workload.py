@@ -7,6 +7,7 @@ code, docstrings, prose and chat, `prose.jsonl` is an LLMPerf-style prose worklo
 `long.jsonl` ~1,000-token code prompts. Requests take the prompts in turn.
 """
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,15 +36,19 @@ class Settings:
     drafter: str = ""  # "": the server's default drafter
     ignore_eos: bool = True
     timeout: float = 600.0
-    # Where every prompt of a run is opened by a line of its own (`--unique-prompts`): that run's tag,
-    # new for each run and each target's warm-up, so no prompt of the load test repeats, nor its
-    # prefix beyond the comment mark, and no server can answer one from its prefix cache. "": off.
+    # Where every prompt is opened by a line of its own (`--unique-prompts`): the run's tag, new for
+    # each run and each target's warm-up, hashed with the request's number, so no two prompts of the
+    # load test share more than the comment mark and a few hex digits, and no server can answer
+    # one from its prefix cache. "": off.
     unique_tag: str = ""
 
     def prompt(self, index: int) -> str:
-        """Request number `index`'s prompt: the prompts in turn, opened by `# <tag>-<index>` where set."""
+        """Request number `index`'s prompt: the prompts in turn, opened by `# <hex>` where unique."""
         prompt = self.prompts[index % len(self.prompts)]
-        return f"# {self.unique_tag}-{index}\n{prompt}" if self.unique_tag else prompt
+        if not self.unique_tag:
+            return prompt
+        line = hashlib.blake2b(f"{self.unique_tag}-{index}".encode(), digest_size=6).hexdigest()
+        return f"# {line}\n{prompt}"
 
 
 @dataclass

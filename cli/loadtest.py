@@ -109,7 +109,7 @@ def add_parser(verbs) -> None:
     parser.add_argument(
         "--unique-prompts",
         action="store_true",
-        help="open every prompt with a line of its own (`# <run tag>-<request>`), warm-ups too, so that no "
+        help="open every prompt with a line of its own (`# ` and 12 hex digits), warm-ups too, so that no "
         "prompt repeats and no server answers one from its prefix cache",
     )
     parser.add_argument(

@@ -21,9 +21,8 @@ from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.proto import tracing
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
+from specd.proto.host import DEFAULT_DRAIN_SECONDS
 from specd.proto.limits import AUTO_CACHED_TOKENS, AUTO_PREFIX_TOKENS, MAX_Q_BYTES, Limits
-
-DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds (serving/server.py and orchestrator/drain.py hold the same default)
 
 DEFAULT_PORTS = {"draft": 50061, "target": 50062, "orchestrator": 50051}
 DEFAULT_METRICS_PORTS = {"draft": 9461, "target": 9462, "orchestrator": 9451}  # Prometheus, /metrics

@@ -22,8 +22,7 @@ from pathlib import Path
 
 from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
-
-DEFAULT_DRAIN_SECONDS = 30.0  # `specd serve --drain-seconds`' default
+from specd.proto.host import DEFAULT_DRAIN_SECONDS
 
 
 @dataclass

@@ -5,27 +5,14 @@ from collections.abc import Callable
 from specd.draft_service.drafter import Drafter, ProposeCall
 from specd.serving.messages import cursor_from_proto, parsed, q_row_to_proto, sampling_from_proto
 from specd.serving.server import ModelServer
-from specd.serving.thread import ModelThread
-from specd.v1 import common_pb2, draft_pb2, draft_pb2_grpc
+from specd.serving.servicer import ModelServicer
+from specd.v1 import draft_pb2, draft_pb2_grpc
 
 SERVICE_NAME = "specd.v1.DraftService"
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
-    def __init__(self, thread: ModelThread):
-        self.thread = thread
-
-    async def Info(self, request, context):
-        return await self.thread.info(context)
-
-    async def Tokenizer(self, request, context):
-        files = await self.thread.call(context, Drafter.tokenizer_files)
-        return common_pb2.TokenizerResponse(files=files)
-
-    async def Prefill(self, request, context):
-        cursor = await parsed(context, cursor_from_proto, request.cursor)
-        cached = await self.thread.call(context, Drafter.prefill, cursor)
-        return common_pb2.PrefillResponse(cached_tokens=cached)
+class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
+    """Info, Tokenizer, Prefill and Release: ModelServicer's."""
 
     async def Propose(self, request, context):
         cursor = await parsed(context, cursor_from_proto, request.cursor)
@@ -36,10 +23,6 @@ class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
             q=[q_row_to_proto(token_ids, probs) for token_ids, probs in proposal.q],
             cached_tokens=proposal.cached_tokens,
         )
-
-    async def Release(self, request, context):
-        released = await self.thread.call(context, Drafter.release, request.session_id)
-        return common_pb2.ReleaseResponse(released=released)
 
 
 def create_draft_server(load_service: Callable[[], Drafter]) -> ModelServer:

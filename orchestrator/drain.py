@@ -15,7 +15,6 @@ from contextlib import suppress
 
 from specd.orchestrator.request import Failed
 
-DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds: Kubernetes' default terminationGracePeriodSeconds is 30
 POLL_S = 0.05  # how often a drain looks whether the requests in flight have ended
 CUT_GRACE_S = 2.0  # after the cut, how long the cut streams get to send their UNAVAILABLE
 

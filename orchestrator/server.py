@@ -1,8 +1,6 @@
 """specd.v1.SpecDecode over gRPC: translates between the wire and core.py, which does the work."""
 
-import asyncio
 import logging
-import signal
 import time
 
 import grpc
@@ -12,7 +10,6 @@ from grpc_reflection.v1alpha import reflection
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD
 from specd.orchestrator.core import BadRequest, Core, stats_proto
-from specd.orchestrator.drain import DEFAULT_DRAIN_SECONDS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
@@ -21,6 +18,7 @@ from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.request import Delta, Failed, Finished
 from specd.orchestrator.worker import WorkerPool
 from specd.proto.auth import ClientSecurity, ServerSecurity
+from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
 from specd.proto.logprobs import top_logprobs_messages
 from specd.proto.metrics import start_exporter
 from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
@@ -208,10 +206,7 @@ async def serve_until_signal(
 ) -> None:
     """gRPC on `address`; the HTTP API and the metrics exporter on the same host (None = not started).
     SIGINT/SIGTERM drains for up to `drain_seconds`, then stops; a second one cuts the drain short."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda: server.hurry() if stop.is_set() else stop.set())
+    stop = stop_on_signals(server.hurry)
     port = await server.start(address)
     host = address.rsplit(":", 1)[0].strip("[]")
     if http_port is not None:

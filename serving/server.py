@@ -6,7 +6,6 @@ model thread (serving/thread.py).
 
 import asyncio
 import logging
-import signal
 import time
 from collections.abc import Callable
 
@@ -16,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.model.service import ModelService
 from specd.proto.auth import ServerSecurity
+from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
 from specd.proto.limits import MAX_MESSAGE_BYTES
 from specd.proto.metrics import start_exporter
 from specd.serving.metrics import ServiceMetrics
@@ -23,7 +23,6 @@ from specd.serving.thread import ModelThread
 
 log = logging.getLogger("specd.serving.server")
 
-DEFAULT_DRAIN_SECONDS = 30.0  # --drain-seconds: Kubernetes' default terminationGracePeriodSeconds is 30
 DRAIN_POLL_S = 0.05  # how often a drain looks whether the sessions held have ended
 STOP_GRACE_S = 2.0  # after a drain, how long a pass still running gets to answer its calls
 
@@ -128,10 +127,7 @@ async def serve_until_signal(
 ) -> None:
     """The `specd serve` main: start, load, serve until SIGINT/SIGTERM, then drain for up to
     `drain_seconds` and stop; a second signal cuts the drain short."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, lambda: model_server.hurry() if stop.is_set() else stop.set())
+    stop = stop_on_signals(model_server.hurry)
     port = await model_server.start(address, security)
     if metrics_port is not None:
         exporter = start_exporter(model_server.metrics.registry, metrics_host, metrics_port)

@@ -7,28 +7,15 @@ from specd.proto.limits import MAX_DECODE_STEPS
 from specd.proto.logprobs import top_logprobs_messages
 from specd.serving.messages import cursor_from_proto, parsed, q_row_from_proto, sampling_from_proto
 from specd.serving.server import ModelServer
-from specd.serving.thread import ModelThread
+from specd.serving.servicer import ModelServicer
 from specd.target_service.verifier import Verification, Verifier, VerifyCall
-from specd.v1 import common_pb2, target_pb2, target_pb2_grpc
+from specd.v1 import target_pb2, target_pb2_grpc
 
 SERVICE_NAME = "specd.v1.TargetService"
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
-    def __init__(self, thread: ModelThread):
-        self.thread = thread
-
-    async def Info(self, request, context):
-        return await self.thread.info(context)
-
-    async def Tokenizer(self, request, context):
-        files = await self.thread.call(context, Verifier.tokenizer_files)
-        return common_pb2.TokenizerResponse(files=files)
-
-    async def Prefill(self, request, context):
-        cursor = await parsed(context, cursor_from_proto, request.cursor)
-        cached = await self.thread.call(context, Verifier.prefill, cursor)
-        return common_pb2.PrefillResponse(cached_tokens=cached)
+class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
+    """Info, Tokenizer, Prefill and Release: ModelServicer's."""
 
     async def Verify(self, request, context):
         call = await parsed(context, _verify_call, request)
@@ -48,10 +35,6 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
                 break
             run = run.then(step)
         return _verify_response(run, reused)
-
-    async def Release(self, request, context):
-        released = await self.thread.call(context, Verifier.release, request.session_id)
-        return common_pb2.ReleaseResponse(released=released)
 
 
 def _decode_call(request: target_pb2.DecodeRequest) -> tuple[VerifyCall, int]:

@@ -3,7 +3,9 @@ on hand-built numbers: tests/test_loadtest_stats.py)."""
 
 import argparse
 import asyncio
+import itertools
 import json
+import os
 import socket
 
 import pytest
@@ -366,7 +368,10 @@ async def test_unique_prompts_never_repeat_so_no_server_serves_one_from_its_cach
     settings = settings_for(grpc_address, prompts=[prompt], max_new_tokens=4)
     assert settings.prompt(5) == prompt
     tagged = loadtest.Settings(**{**settings.__dict__, "unique_tag": "t1"})
-    assert tagged.prompt(5) == f"# t1-5\n{prompt}" and tagged.prompt(6) != tagged.prompt(5)
+    lines = [tagged.prompt(index).split("\n", 1) for index in range(64)]
+    assert all(rest == prompt for _, rest in lines) and len({line for line, _ in lines}) == 64
+    # of 64, no two share more than "# " and three hex digits: nothing a prefix cache could reuse
+    assert max(len(os.path.commonprefix([a, b])) for (a, _), (b, _) in itertools.combinations(lines, 2)) <= 5
     for unique in (False, True):
         targets = [loadtest.GrpcTarget(grpc_address), openai_client.OpenAiTarget(url)]
         report = await loadtest.run_loadtest(
