@@ -14,6 +14,8 @@ SERVICE_NAME = "specd.v1.DraftService"
 class DraftServicer(ModelServicer, draft_pb2_grpc.DraftServiceServicer):
     """Info, Tokenizer, Prefill and Release: ModelServicer's."""
 
+    service_type = Drafter
+
     async def Propose(self, request, context):
         cursor = await parsed(context, cursor_from_proto, request.cursor)
         call = ProposeCall(cursor, request.num_draft_tokens, sampling_from_proto(request.sampling))

@@ -9,7 +9,11 @@ from specd.v1 import common_pb2
 
 
 class ModelServicer:
-    """Put first among a servicer's bases, before the generated one, whose handlers answer UNIMPLEMENTED."""
+    """Put first among a servicer's bases, before the generated one, whose handlers answer UNIMPLEMENTED.
+    `service_type`: the model service it runs (Drafter, Verifier); its methods are looked up there
+    at each call, so a subclass's own (or a test's stand-in) is the one that runs."""
+
+    service_type: type[ModelService] = ModelService
 
     def __init__(self, thread: ModelThread):
         self.thread = thread
@@ -18,14 +22,14 @@ class ModelServicer:
         return await self.thread.info(context)
 
     async def Tokenizer(self, request, context):
-        files = await self.thread.call(context, ModelService.tokenizer_files)
+        files = await self.thread.call(context, self.service_type.tokenizer_files)
         return common_pb2.TokenizerResponse(files=files)
 
     async def Prefill(self, request, context):
         cursor = await parsed(context, cursor_from_proto, request.cursor)
-        cached = await self.thread.call(context, ModelService.prefill, cursor)
+        cached = await self.thread.call(context, self.service_type.prefill, cursor)
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Release(self, request, context):
-        released = await self.thread.call(context, ModelService.release, request.session_id)
+        released = await self.thread.call(context, self.service_type.release, request.session_id)
         return common_pb2.ReleaseResponse(released=released)

@@ -17,6 +17,8 @@ SERVICE_NAME = "specd.v1.TargetService"
 class TargetServicer(ModelServicer, target_pb2_grpc.TargetServiceServicer):
     """Info, Tokenizer, Prefill and Release: ModelServicer's."""
 
+    service_type = Verifier
+
     async def Verify(self, request, context):
         call = await parsed(context, _verify_call, request)
         return _verify_response(await self.thread.batch(context, Verifier.verify_batch, call))

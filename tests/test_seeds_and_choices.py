@@ -122,17 +122,23 @@ async def test_two_prompts_times_two_choices_come_in_openai_order(tiny_stack, ti
     answer = await post(base, "completions", prompt=[PROMPT, ids], n=2, temperature=0)
     choices = answer["choices"]
     assert [choice["index"] for choice in choices] == [0, 1, 2, 3]
-    first = (await post(base, "completions", prompt=PROMPT, temperature=0))["choices"][0]["text"]
+    single = await post(base, "completions", prompt=PROMPT, temperature=0)
+    first = single["choices"][0]["text"]
     second = await post(base, "completions", prompt=OTHER, temperature=0)
     assert [choice["text"] for choice in choices] == [first, first] + [second["choices"][0]["text"]] * 2
     assert first != second["choices"][0]["text"]
     prompt_tokens = len(stack.orchestrator.core.tokenizer.encode(PROMPT, add_special_tokens=False).ids) + len(ids)
+    cached = answer["usage"].pop("prompt_tokens_details")["cached_tokens"]
     assert answer["usage"] == {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 32,
         "total_tokens": prompt_tokens + 32,
-        "prompt_tokens_details": {"cached_tokens": 0},  # prompts shorter than a prefix-cache block
     }
+    # Each prompt counts once, its cached tokens too: at most all but its last (a choice that opened after
+    # another's first pass found that head; the shared stack may have seen PROMPT before).
+    assert 0 <= cached <= prompt_tokens - 2
+    for alone in (single, second):  # sent again, alone: the head its choices left, all but the last token
+        assert alone["usage"]["prompt_tokens_details"]["cached_tokens"] == alone["usage"]["prompt_tokens"] - 1
 
 
 async def test_streamed_choices_carry_their_index_and_equal_the_whole_answer(tiny_http):
