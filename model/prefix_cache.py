@@ -85,9 +85,10 @@ def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) ->
     return out
 
 
-def tail_hash(parent: bytes, tail: list[int] | tuple[int, ...]) -> bytes:
-    """The key of a head that ends inside a block: its last whole block's chain hash, then the tail,
-    marked so that no block's hash is ever a tail's."""
+def tail_hash(salt: str, chain: list[bytes], tail: list[int] | tuple[int, ...]) -> bytes:
+    """The key of a head that ends inside a block: the chain hash of its whole blocks (`chain`; the
+    salt's root where there are none), then the tail, marked so that no block's hash is ever a tail's."""
+    parent = chain[-1] if chain else root_hash(salt)
     return hashlib.blake2b(parent + b"tail" + struct.pack(f"<{len(tail)}I", *tail), digest_size=16).digest()
 
 
@@ -96,7 +97,7 @@ def entry_hashes(salt: str, tokens: list[int] | tuple[int, ...]) -> list[bytes]:
     blocks = len(tokens) // BLOCK_TOKENS
     chain = chain_hashes(salt, tokens, blocks)
     if len(tokens) % BLOCK_TOKENS:
-        chain.append(tail_hash(chain[-1] if chain else root_hash(salt), tokens[blocks * BLOCK_TOKENS :]))
+        chain.append(tail_hash(salt, chain, tokens[blocks * BLOCK_TOKENS :]))
     return chain
 
 
@@ -132,7 +133,7 @@ class PrefixCache:
         else:
             if most % BLOCK_TOKENS:  # every whole block held: perhaps the head itself, tail and all
                 head = tokens[len(chain) * BLOCK_TOKENS : most]
-                holders = self.index.get(tail_hash(chain[-1] if chain else root_hash(salt), head))
+                holders = self.index.get(tail_hash(salt, chain, head))
                 if holders:
                     found, length = max(holders), most
         if found is None:

@@ -15,12 +15,12 @@ One line per send as it ends (progress in a log too), then a table per server; J
 import argparse
 import asyncio
 import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 from specd.bench.grpc_target import GrpcTarget
+from specd.bench.loadtest import machine_info
 from specd.bench.openai_client import OpenAiTarget
 from specd.bench.workload import DEFAULT_PROMPTS, Settings, load_prompts
 
@@ -33,7 +33,7 @@ def named(text: str) -> tuple[str, str]:
 
 
 async def measure(name: str, target, prompts: list[str], max_new_tokens: int) -> list[dict]:
-    settings = Settings(server=name, prompts=prompts, max_new_tokens=max_new_tokens, draft_tokens=None)
+    settings = Settings(server=name, prompts=prompts, max_new_tokens=max_new_tokens)
     await target.open(timeout=600)
     sends = []
     try:
@@ -81,7 +81,7 @@ async def main() -> int:
     targets = [(n, GrpcTarget(w)) for n, w in args.server] + [(n, OpenAiTarget(w)) for n, w in args.openai]
     if not targets:
         parser.error("name at least one --server or --openai")
-    report = {"cpu": platform.processor() or platform.machine(), "max_new_tokens": args.max_new_tokens, "servers": {}}
+    report = {"machine": machine_info(), "max_new_tokens": args.max_new_tokens, "servers": {}}
     for name, target in targets:
         sends = await measure(name, target, prompts, args.max_new_tokens)
         report["servers"][name] = {"summary": summary(sends), "sends": sends}
