@@ -213,6 +213,35 @@ def test_an_engine_that_does_not_pad_reports_the_positions_its_calls_computed():
     scheduler.close()
 
 
+@pytest.mark.serial  # timed in tens of milliseconds
+@pytest.mark.parametrize("pass_seconds, joins", [(0.4, True), (0.02, False)])
+def test_the_wait_for_returning_sessions_grows_with_the_pass(pass_seconds, joins):
+    """After a pass of a and b, a's next call comes back at once and b's 40 ms later: past the 10 ms
+    floor, within a quarter of a 0.4 s pass. After a long pass the next pass waits for b and carries
+    both; after a short one it runs a alone."""
+    passes = []
+    scheduler = Scheduler(Bounds(max_batch_size=8, batch_wait_s=0.01, return_wait_share=0.25))
+
+    def run(payloads):
+        passes.append(list(payloads))
+        if len(passes) == 1:
+            time.sleep(pass_seconds)
+        return list(payloads)
+
+    def submit(payload, session_id):
+        return scheduler.submit(Job(run, payload, kind="decode", cost=1, session_id=session_id))
+
+    first = [submit(1, "a"), submit(2, "b")]
+    later = []
+    first[0].add_done_callback(lambda _: later.append(submit(3, "a")))
+    first[1].add_done_callback(lambda _: threading.Timer(0.04, lambda: later.append(submit(4, "b"))).start())
+    assert [f.result(5) for f in first] == [1, 2]
+    time.sleep(0.3)
+    assert [f.result(5) for f in later] == [3, 4]
+    assert passes == ([[1, 2], [3, 4]] if joins else [[1, 2], [3], [4]])
+    scheduler.close()
+
+
 def test_scheduler_runs_an_oversized_call_and_skips_abandoned_ones():
     passes = []
     scheduler = Scheduler(Bounds(max_batch_size=4, max_batch_tokens=8))
