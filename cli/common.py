@@ -4,7 +4,7 @@ import argparse
 import json
 import re
 
-from specd.proto.limits import ENGINES, EXACTNESS, QUANTIZATIONS
+from specd.proto.limits import ENGINES, EXACTNESS, QUANTIZATIONS, is_sim_engine
 
 
 class UserError(Exception):
@@ -41,11 +41,21 @@ def add_engine_flag(parser: argparse.ArgumentParser, flag: str, role: str, note:
     """--engine of a model service (`--draft-engine` for the draft of a whole stack)."""
     parser.add_argument(
         flag,
-        choices=ENGINES,
+        type=engine_choice,
         default="auto",
+        metavar="{" + ",".join(ENGINES) + ",sim[:...]}",
         help=f"{note}what the {role} runs its model on (default auto: llama.cpp on a CPU when the model has a "
-        "GGUF file, as the default pair does; transformers on a GPU or for a plain HF model)",
+        "GGUF file, as the default pair does; transformers on a GPU or for a plain HF model). sim: passes "
+        "simulated from a measured cost profile, for testing pools and routing on a small machine, never auto: "
+        "sim:profile=gpu|cpu,alpha=A,scale=S (model/sim_engine.py)",
     )
+
+
+def engine_choice(text: str) -> str:
+    """An --engine value: one of ENGINES, or the simulated engine with its options."""
+    if text in ENGINES or is_sim_engine(text):
+        return text
+    raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(ENGINES)}, sim[:options])")
 
 
 def add_exactness_flag(parser: argparse.ArgumentParser, note: str = "") -> None:

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specd.model.loaded import LoadedModel, folder_tokenizer
 from specd.model.store import find_gguf
-from specd.proto.limits import AUTO_CACHED_TOKENS, ENGINES, QUANTIZATIONS, Limits
+from specd.proto.limits import AUTO_CACHED_TOKENS, ENGINES, QUANTIZATIONS, Limits, is_sim_engine
 
 
 def default_dtype(device: torch.device | str = "cpu") -> str:
@@ -109,9 +109,12 @@ LLAMA_CPP_CACHED_TOKENS = 131_072
 
 def choose_engine(choice: str, name_or_path: str, device: torch.device) -> str:
     """`--engine auto`: llama.cpp for a model on a CPU when it has a GGUF (the default pair does),
-    transformers otherwise (a GPU, a plain HF model). An explicit choice is checked, not changed."""
+    transformers otherwise (a GPU, a plain HF model). An explicit choice is checked, not changed;
+    the simulated engine (`sim`) only where it is named."""
+    if is_sim_engine(choice):
+        return choice
     if choice not in ENGINES:
-        raise ValueError(f"--engine takes {', '.join(ENGINES)}, not {choice!r}")
+        raise ValueError(f"--engine takes {', '.join(ENGINES)} or sim[:options], not {choice!r}")
     if choice == "transformers":
         return choice
     if choice == "llama.cpp":
@@ -161,6 +164,19 @@ def load_llama_cpp_engine(name_or_path: str, threads: int | None, limits: Limits
     )
 
 
+def load_sim_engine(role: str, name_or_path: str, choice: str):
+    """The simulated engine (model/sim_engine.py) for a role, with the tokenizer of `name_or_path` (a
+    default-pair name's tokenizer folder, or an HF folder): no weights load."""
+    from specd.model.fetch import resolve_tokenizer
+    from specd.model.sim_engine import SimEngine, SimSettings
+    from specd.model.store import find_spec
+
+    settings = SimSettings.parse(choice)
+    spec = find_spec(name_or_path)
+    tokenizer, _ = folder_tokenizer(resolve_tokenizer(name_or_path) if spec is not None else name_or_path)
+    return SimEngine(role, spec.name if spec else name_or_path, tokenizer, settings)
+
+
 def load_engine(
     role: str,
     model: str,
@@ -191,5 +207,7 @@ def load_engine(
     logging.getLogger(__name__).info("the %s runs %s on the %s engine (--engine %s)", role, model, chosen, engine)
     if chosen == "llama.cpp":
         return load_llama_cpp_engine(model, threads, limits, exactness)
+    if is_sim_engine(chosen):
+        return load_sim_engine(role, model, chosen)
     loaded = load_model(model, dtype, threads, resolve_quantization(role, quantize, placed), placed)
     return TransformersEngine(loaded, graphs=placed.type == "cuda" and cuda_graphs != "off")

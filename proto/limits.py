@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 QUANTIZATIONS = ("none", "int8", "int4")  # weight-only schemes a model service offers (model/loading.py)
 ENGINES = ("auto", "transformers", "llama.cpp")  # what a model service runs its model on (--engine)
+SIM_ENGINE = "sim"  # --engine sim[:profile=gpu|cpu,alpha=A,scale=S]: passes simulated (model/sim_engine.py), never auto
 # --exactness, the llama.cpp engine's (model/llama_cpp_engine.py): "bitwise", every scored position exactly
 # as a lone decode step scores it (greedy output equal to target-only decoding at any load); "batched",
 # the positions of a pass in one llama_decode call, rounded as the batch's shape has it (as llama-server,
@@ -134,3 +135,8 @@ def _ids_bytes(low: int, high: int) -> int:
         total += width * max(0, min(high, end) - max(low, start))
         start, width = end, width + 1
     return total
+
+
+def is_sim_engine(choice: str) -> bool:
+    """Whether an --engine choice names the simulated engine (its options are checked when it loads)."""
+    return choice == SIM_ENGINE or choice.startswith(SIM_ENGINE + ":")
