@@ -1,0 +1,139 @@
+"""Choosing a replica for a new request, by load and by the prefixes each replica has seen (issue 39:
+one Router per pool of replicas, the targets' and the drafts' alike). A request stays on the replica
+it was routed to while that replica lives; the router only places new requests.
+
+Prefix affinity, as SGLang's cache-aware router and Ray Serve's PrefixCacheAffinityRouter do it from
+the routed text: the router remembers, per replica, the prompts it sent there, as a chain of hashes
+over ROUTE_BLOCK-token blocks salted by the request's cache salt (the services' prefix caches keep
+one tenant's prefixes apart the same way, model/prefix_cache.py), plus one key for the whole head
+(every prompt token but the last, which is what a service's prefix cache keeps of a prompt). The
+longest run of a prompt's leading keys a replica remembers is how much of it that replica's prefix
+cache likely holds. Approximate: the replica may have evicted it since, or hold what the router
+forgot (after a restart). Each replica's memory is bounded (least recently routed blocks go first).
+
+Load: the requests the router placed on a replica that have not ended (`done`).
+
+The choice, in order:
+1. Imbalanced (the most loaded replica has more than IMBALANCE_ABS requests above the least, and more
+   than IMBALANCE_REL times as many): the least loaded, whatever it holds.
+2. The replica remembering the longest prefix (the less loaded among equals), if that covers
+   AFFINITY_SHARE of the prompt's head or more.
+3. The least loaded; among equals the one remembering the fewest blocks (the most room), then in turn.
+Every decision is counted by its reason (`decisions`: affinity, load, imbalance).
+"""
+
+import hashlib
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+
+ROUTE_BLOCK = 16  # tokens per remembered block: finer than the services' 64, so short prompts match too
+IMBALANCE_ABS = 4  # requests: a difference below this is never imbalance
+IMBALANCE_REL = 1.5  # ... nor a most loaded replica within 1.5 times the least loaded
+AFFINITY_SHARE = 0.3  # of the prompt's head: less than this in common is no reason to prefer a replica
+MEMORY_BLOCKS = 1 << 16  # blocks remembered per replica (a million tokens' worth)
+
+
+@dataclass
+class Replica:
+    name: str
+    load: int = 0  # requests placed here and not yet done
+    blocks: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recently routed first
+
+
+@dataclass(frozen=True)
+class Route:
+    replica: str
+    reason: str  # affinity, load or imbalance
+    matched_tokens: int  # of the prompt's head, the leading tokens the replica was sent before
+
+
+class Router:
+    def __init__(self, names: list[str], memory_blocks: int = MEMORY_BLOCKS):
+        self.memory_blocks = memory_blocks
+        self.replicas: dict[str, Replica] = {}
+        self.decisions: Counter[str] = Counter()
+        self.turn = 0  # round robin among equals
+        for name in names:
+            self.add(name)
+
+    def add(self, name: str) -> None:
+        """A replica joins (empty: nothing routed there yet)."""
+        self.replicas.setdefault(name, Replica(name))
+
+    def remove(self, name: str) -> None:
+        """A replica leaves (draining or dead): no new request goes there."""
+        self.replicas.pop(name, None)
+
+    def route(self, tokens: list[int], salt: str = "") -> Route:
+        """The replica for a new request with these prompt tokens; counts it there until `done`."""
+        if not self.replicas:
+            raise LookupError("no replica to route to")
+        keys = prefix_keys(tokens, salt)
+        head = keys[-1][1] if keys else 0
+        replicas = list(self.replicas.values())
+        loads = [replica.load for replica in replicas]
+        matched = {replica.name: _matched(replica, keys) for replica in replicas}
+        low, high = min(loads), max(loads)
+        if high - low > IMBALANCE_ABS and high > IMBALANCE_REL * low:
+            chosen, reason = self._least_loaded(replicas), "imbalance"
+        else:
+            best = max(replicas, key=lambda replica: (matched[replica.name], -replica.load))
+            if head and matched[best.name] >= AFFINITY_SHARE * head:
+                chosen, reason = best, "affinity"
+            else:
+                chosen, reason = self._least_loaded(replicas), "load"
+        self._remember(chosen, keys)
+        chosen.load += 1
+        self.decisions[reason] += 1
+        return Route(chosen.name, reason, matched[chosen.name])
+
+    def done(self, name: str) -> None:
+        """A request placed on `name` ended (however it ended)."""
+        if (replica := self.replicas.get(name)) is not None and replica.load > 0:
+            replica.load -= 1
+
+    def _least_loaded(self, replicas: list[Replica]) -> Replica:
+        self.turn += 1
+        count = len(replicas)
+        ordered = [replicas[(self.turn + i) % count] for i in range(count)]
+        return min(ordered, key=lambda replica: (replica.load, len(replica.blocks)))
+
+    def _remember(self, replica: Replica, keys: list[tuple[bytes, int]]) -> None:
+        """The prompt's keys, its first block last: the memory forgets the deepest keys of the least
+        recently routed prompts first, as a radix tree evicts leaves, never a block whose longer
+        prefixes it keeps (a match runs from the first block)."""
+        for key, _ in reversed(keys):
+            replica.blocks[key] = None
+            replica.blocks.move_to_end(key)
+        while len(replica.blocks) > self.memory_blocks:
+            replica.blocks.popitem(last=False)
+
+
+def prefix_keys(tokens: list[int], salt: str = "") -> list[tuple[bytes, int]]:
+    """(key, tokens it covers) for each whole ROUTE_BLOCK of the prompt's head (all tokens but the
+    last), each key chained on the one before, and one more for the whole head where it ends inside
+    a block."""
+    head = tokens[:-1]
+    keys, chain = [], hashlib.blake2b(salt.encode(), digest_size=16).digest()
+    whole = len(head) // ROUTE_BLOCK * ROUTE_BLOCK
+    for end in range(ROUTE_BLOCK, whole + 1, ROUTE_BLOCK):
+        chain = _chained(chain, head[end - ROUTE_BLOCK : end])
+        keys.append((chain, end))
+    if whole < len(head):
+        keys.append((_chained(chain, head[whole:], b"tail"), len(head)))
+    return keys
+
+
+def _chained(parent: bytes, block: list[int], kind: bytes = b"block") -> bytes:
+    data = b"".join((kind, parent, *(token.to_bytes(4, "little") for token in block)))
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _matched(replica: Replica, keys: list[tuple[bytes, int]]) -> int:
+    """The leading tokens of the head whose keys the replica remembers, in a row from the first."""
+    matched = 0
+    for key, covered in keys:
+        if key not in replica.blocks:
+            break
+        matched = covered
+    return matched
