@@ -3,7 +3,8 @@
 An engine owns the KV cache of every session (opaque to its callers, keyed by session id) and
 runs the model over it. It does no bookkeeping: which tokens a session holds, the cursor
 checks and the limits live in model/sessions.py (docs/architecture.md §3), which tells the
-engine to forward, crop and release. Implementations: model/transformers_engine.py, model/llama_cpp_engine.py.
+engine to forward, crop and release. Implementations: model/transformers_engine.py, model/llama_cpp_engine.py,
+and model/sim_engine.py (simulated passes, for testing pools on a small machine).
 """
 
 from contextlib import AbstractContextManager
