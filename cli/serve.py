@@ -60,7 +60,13 @@ def add_parser(verbs) -> None:
         help="the draft service (leave it out, or give it empty, to run on the target alone: then only "
         "--drafter ngram or suffix guess, in the orchestrator, and no draft model is needed)",
     )
-    parser.add_argument("--target", required=True, metavar="HOST:PORT", help="the target service")
+    parser.add_argument(
+        "--target",
+        required=True,
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the target service; several, comma-separated, are a pool of replicas: each new request goes to "
+        "one by load and by the prefixes it was sent (orchestrator/router.py) and stays there",
+    )
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
     parser.add_argument(

@@ -62,6 +62,15 @@ def add_parser(verbs) -> None:
         "resource or a GPU, each server in a Ray actor that Ray restarts",
     )
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (per orchestrator replica)")
+    parser.add_argument(
+        "--target-replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="target services on this machine (ports from --target-port on), one orchestrator routing each new "
+        "request to one of them by load and by the prefixes it was sent (orchestrator/router.py); not yet "
+        "with --ray-address. With --engine sim they test routing on a small machine",
+    )
     add_drafter_flag(parser, "the orchestrator's default (ngram or suffix: the stack runs no draft service); ")
     add_draft_ahead_flag(parser)
     cluster = parser.add_argument_group("with --ray-address")
@@ -150,6 +159,10 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(given)}: a stack on this machine does not pass these on yet; they are for --ray-address "
             "(or start each component with `specd serve` and its flags)"
         )
+    if args.target_replicas < 1:
+        raise UserError("--target-replicas must be >= 1")
+    if args.ray_address and args.target_replicas != 1:
+        raise UserError("--target-replicas is for a stack on this machine; a cluster has one target so far")
     if args.ray_address and args.draft_ahead != "auto":
         raise UserError("--draft-ahead is for a stack on this machine; on a cluster a request sets draft_ahead")
     if args.ray_address and (args.draft_threads or args.target_threads):
@@ -261,6 +274,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_model=args.target_model,
             draft_port=args.draft_port,
             target_port=args.target_port,
+            target_replicas=args.target_replicas,
             port=args.port,
             http_port=args.http_port,
             draft_metrics_port=args.draft_metrics_port,

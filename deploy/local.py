@@ -34,7 +34,8 @@ class StackConfig:
     draft_model: str = "draft"
     target_model: str = "target"
     draft_port: int = 0  # 0 picks a free port
-    target_port: int = 0
+    target_port: int = 0  # with several target replicas, the first's: the others take the ports after it
+    target_replicas: int = 1  # target services, one orchestrator routing requests over them (router.py)
     port: int = 0  # the orchestrator's
     http_port: int = 0  # the orchestrator's OpenAI-compatible API
     draft_metrics_port: int = 0  # Prometheus /metrics of each process
@@ -100,13 +101,15 @@ class LocalStack:
     async def start(self) -> "LocalStack":
         config = self.config
         draft = self._service("draft") if config.with_draft else None  # a lookup-only drafter needs none
-        target = self._service("target")
+        targets = [self._service("target", replica) for replica in range(config.target_replicas)]
         loading = f"the draft ({config.draft_model}) and the target ({config.target_model})"
+        if config.target_replicas > 1:
+            loading += f" in {config.target_replicas} replicas"
         if not draft:
             loading = f"the target ({config.target_model}), no draft: the {config.drafter} drafter only looks up"
         self.say(f"loading {loading}; logs in {self.log_dir}")
         started = time.monotonic()
-        await asyncio.gather(*(self._wait(child) for child in (draft, target) if child))
+        await asyncio.gather(*(self._wait(child) for child in (draft, *targets) if child))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
         orchestrator = self._spawn(
             "orchestrator",
@@ -116,7 +119,7 @@ class LocalStack:
                 "orchestrator",
                 *(["--draft", draft.address] if draft else []),
                 "--target",
-                target.address,
+                ",".join(target.address for target in targets),
                 "--http-port",
                 str(self.http_port),
                 "--workers",
@@ -134,8 +137,9 @@ class LocalStack:
         await self._wait(orchestrator)
         return self
 
-    def _service(self, role: str) -> Child:
-        """`specd serve draft|target` with this stack's flags for that role (StackConfig's `<role>_*` fields)."""
+    def _service(self, role: str, replica: int = 0) -> Child:
+        """`specd serve draft|target` with this stack's flags for that role (StackConfig's `<role>_*` fields);
+        `replica` > 0: another target replica, on the ports after the first's (free ones where those are 0)."""
         config = self.config
 
         def own(field: str):
@@ -153,7 +157,9 @@ class LocalStack:
             exactness=config.exactness,
         )
         serve_args = [role, "--model", own("model"), *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
-        return self._spawn(role, own("port"), own("metrics_port"), serve_args, config.service_env)
+        ports = [port + replica if port else 0 for port in (own("port"), own("metrics_port"))]
+        name = f"{role}-{replica}" if replica else role
+        return self._spawn(name, *ports, serve_args, config.service_env)
 
     def _spawn(
         self, name: str, port: int, metrics_port: int, serve_args: list[str], env: dict[str, str] | None = None

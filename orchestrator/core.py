@@ -252,6 +252,7 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "time_to_first_token_s": stats.time_to_first_token_s,
         "resyncs": stats.resyncs,
         "drafter": stats.drafter,
+        "target": stats.target,
         "lookup_steps": stats.lookup_steps,
         "lookup_drafted": stats.lookup_drafted,
         "lookup_accepted": stats.lookup_accepted,

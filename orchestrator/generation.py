@@ -97,6 +97,7 @@ class Generation:
             draft_tokens=request.max_draft_tokens if adaptive else request.draft_tokens,
             adaptive=adaptive,
             drafter=request.drafter,
+            target=request.target,
         )
         # The guesses that cost no model: over the committed tokens (and the worker's recent outputs)
         self.recent = recent  # shared by a worker's requests: this one's output joins it when it ends

@@ -36,6 +36,7 @@ class GenerationRequest:
     draft_ahead: str = DEFAULT_DRAFT_AHEAD  # "on", "off" or "auto": draft the next step during the verify (ahead.py)
     max_propose_tokens: int = 0  # the most guesses one Propose may ask for (the draft's limits); 0: the K bound
     cache_salt: str = ""  # the tenant's: every cursor carries it, so the services reuse only its prefixes
+    target: str = ""  # the target replica the pool routed it to (router.py); "": the only one
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -89,6 +90,7 @@ class Stats:
     drafted: int = 0
     accepted: int = 0
     drafter: str = ""
+    target: str = ""  # the target replica that served it (its address)
     lookup_steps: int = 0  # of drafting_steps, those the prompt lookup guessed for (no draft call)
     lookup_drafted: int = 0
     lookup_accepted: int = 0

@@ -6,6 +6,11 @@ requests concurrently (one Generation each) and streams events back through a Ra
 generator. Ray places and restarts the actors; the pool only picks the least busy one, refuses
 requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose actor died with UNAVAILABLE
 (the actor restarts and serves the next requests).
+
+The target may be a pool of replicas (`target_address` "host:port,host:port,..."): the pool routes
+each new request to one of them by load and by the prefixes each was sent (router.py) and the
+request stays there; every worker holds channels to every replica, and measures each one's costs
+apart (its own load B, its own pass times).
 """
 
 import asyncio
@@ -24,6 +29,7 @@ from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation
 from specd.orchestrator.remote import ServicePair, connect_pair
 from specd.orchestrator.request import Failed, GenerationRequest
+from specd.orchestrator.router import Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
@@ -40,31 +46,35 @@ class GenerationWorker:
         otlp_endpoint: str | None = None,
     ):
         tracing.setup(otlp_endpoint, "specd-orchestrator")  # this actor is a process of its own: it traces itself
-        self.addresses = (draft_address, target_address)
+        self.draft_address = draft_address
+        self.targets = target_replicas(target_address)
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
         self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
-        self.costs = ServiceCosts()  # one per worker: what calls cost now, for choosing K (costs.py)
+        # one per worker and target replica: what calls cost now, for choosing K (costs.py)
+        self.costs = {target: ServiceCosts() for target in self.targets}
         self.recent_outputs = RecentOutputs()  # one per worker: its latest outputs, for the suffix drafter
-        self.pair = None
+        self.pairs: dict[str, ServicePair] = {}  # per target replica: the draft and that target
         self.connecting = asyncio.Lock()
 
     async def ready(self) -> bool:
-        await self._connect()
+        for target in self.targets:
+            await self._connect(target)
         return True
 
     async def generate(self, request: GenerationRequest, trace_carrier: dict[str, str] | None = None):
         """The request's events; `trace_carrier`: the caller's trace context (tracing.carrier)."""
-        await self._connect()
+        target = request.target or self.targets[0]
+        pair = await self._connect(target)
         generation = Generation(
             request,
-            self.pair.draft_stub,
-            self.pair.target_stub,
-            self.pair.tokenizer,
-            set(self.pair.target_info.eos_token_ids),
+            pair.draft_stub,
+            pair.target_stub,
+            pair.tokenizer,
+            set(pair.target_info.eos_token_ids),
             self.policy,
             self.draft_gate,
-            self.costs,
+            self.costs[target],
             trace_parent=tracing.parent(trace_carrier),
             recent=self.recent_outputs,
         )
@@ -76,12 +86,23 @@ class GenerationWorker:
         except grpc.aio.AioRpcError as error:
             yield Failed(error.code().name, f"{error.details()} (from a model service)")
 
-    async def _connect(self) -> None:
+    async def _connect(self, target: str) -> ServicePair:
         async with self.connecting:
-            if self.pair is None:
-                self.pair = await connect_pair(*self.addresses, security=self.security)
-                if self.pair.has_draft:
-                    self.costs.shared_cores = share_cores(*self.addresses, self.pair.draft_info, self.pair.target_info)
+            if (pair := self.pairs.get(target)) is None:
+                pair = self.pairs[target] = await connect_pair(self.draft_address, target, security=self.security)
+                if pair.has_draft:
+                    self.costs[target].shared_cores = share_cores(
+                        self.draft_address, target, pair.draft_info, pair.target_info
+                    )
+            return pair
+
+
+def target_replicas(target_address: str) -> list[str]:
+    """The target replicas of a --target: one address, or several comma-separated (a pool)."""
+    replicas = [address.strip() for address in target_address.split(",") if address.strip()]
+    if not replicas:
+        raise ValueError("--target needs a HOST:PORT (or several, comma-separated)")
+    return replicas
 
 
 RemoteWorker = ray.remote(GenerationWorker)
@@ -115,6 +136,7 @@ class WorkerPool:
         self.pair = pair  # stubs to release the sessions of a request whose actor died
         self.in_flight = [0] * workers
         self._turns = itertools.count()  # rotates which actor wins a tie
+        self.router = Router(target_replicas(target_address))  # which target replica serves a new request
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
@@ -129,7 +151,17 @@ class WorkerPool:
                 ),
             )
             return
-        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex)
+        route = self.router.route(request.prompt_ids, request.cache_salt)
+        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, target=route.replica)
+        try:
+            async with contextlib.aclosing(self._on_a_worker(request)) as events:
+                async for event in events:
+                    yield event
+        finally:
+            self.router.done(route.replica)
+
+    async def _on_a_worker(self, request: GenerationRequest):
+        """The request's events from the least busy worker, another if that one dies before it starts."""
         tried: set[int] = set()
         waited = False
         while True:
