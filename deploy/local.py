@@ -103,10 +103,10 @@ class LocalStack:
         draft = self._service("draft") if config.with_draft else None  # a lookup-only drafter needs none
         targets = [self._service("target", replica) for replica in range(config.target_replicas)]
         loading = f"the draft ({config.draft_model}) and the target ({config.target_model})"
-        if config.target_replicas > 1:
-            loading += f" in {config.target_replicas} replicas"
         if not draft:
             loading = f"the target ({config.target_model}), no draft: the {config.drafter} drafter only looks up"
+        if config.target_replicas > 1:
+            loading += f"; {config.target_replicas} target replicas"
         self.say(f"loading {loading}; logs in {self.log_dir}")
         started = time.monotonic()
         await asyncio.gather(*(self._wait(child) for child in (draft, *targets) if child))

@@ -27,11 +27,11 @@ where the copies take the sessions' memory (a GPU) the session store empties it 
 Not thread-safe: the model thread is its only caller.
 """
 
-import hashlib
-import struct
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+
+from specd.proto.contract import block_hashes, tail_hash
 
 # Tokens per block: the unit of a hit. 64: the llama.cpp engine prefills in calls of one block each so
 # that a block computes alike from any start (model/llama_cpp_engine.py `reusable`), and calls of 64
@@ -71,25 +71,9 @@ class Entry:
         return max(len(self.tokens), self.snapshot.held_tokens)
 
 
-def root_hash(salt: str) -> bytes:
-    return hashlib.blake2b(salt.encode(), digest_size=16).digest()
-
-
 def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) -> list[bytes]:
-    """The hash after each of the first `blocks` blocks: blake2b(parent, block tokens), the salt at the root."""
-    parent, out = root_hash(salt), []
-    for index in range(blocks):
-        block = tokens[index * BLOCK_TOKENS : (index + 1) * BLOCK_TOKENS]
-        parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
-        out.append(parent)
-    return out
-
-
-def tail_hash(salt: str, chain: list[bytes], tail: list[int] | tuple[int, ...]) -> bytes:
-    """The key of a head that ends inside a block: the chain hash of its whole blocks (`chain`; the
-    salt's root where there are none), then the tail, marked so that no block's hash is ever a tail's."""
-    parent = chain[-1] if chain else root_hash(salt)
-    return hashlib.blake2b(parent + b"tail" + struct.pack(f"<{len(tail)}I", *tail), digest_size=16).digest()
+    """The hash after each of the first `blocks` blocks (proto/contract.py's prefix keys, BLOCK_TOKENS each)."""
+    return block_hashes(salt, tokens, blocks, BLOCK_TOKENS)
 
 
 def entry_hashes(salt: str, tokens: list[int] | tuple[int, ...]) -> list[bytes]:

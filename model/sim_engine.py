@@ -96,10 +96,6 @@ PROFILES: dict[str, dict[str, SimCosts]] = {
 }
 
 
-def is_sim(choice: str) -> bool:
-    return choice == "sim" or choice.startswith("sim:")
-
-
 def _hash(salt: bytes, context: tuple[bytes, ...]) -> int:
     return int.from_bytes(hashlib.blake2b(b"".join((salt, *context)), digest_size=8).digest(), "little")
 

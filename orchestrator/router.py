@@ -4,8 +4,8 @@ it was routed to while that replica lives; the router only places new requests.
 
 Prefix affinity, as SGLang's cache-aware router and Ray Serve's PrefixCacheAffinityRouter do it from
 the routed text: the router remembers, per replica, the prompts it sent there, as a chain of hashes
-over ROUTE_BLOCK-token blocks salted by the request's cache salt (the services' prefix caches keep
-one tenant's prefixes apart the same way, model/prefix_cache.py), plus one key for the whole head
+over ROUTE_BLOCK-token blocks salted by the request's cache salt (the prefix keys the services' prefix
+caches use too, proto/contract.py, with their own block size), plus one key for the whole head
 (every prompt token but the last, which is what a service's prefix cache keeps of a prompt). The
 longest run of a prompt's leading keys a replica remembers is how much of it that replica's prefix
 cache likely holds. Approximate: the replica may have evicted it since, or hold what the router
@@ -22,9 +22,10 @@ The choice, in order:
 Every decision is counted by its reason (`decisions`: affinity, load, imbalance).
 """
 
-import hashlib
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+
+from specd.proto.contract import block_hashes, tail_hash
 
 ROUTE_BLOCK = 16  # tokens per remembered block: finer than the services' 64, so short prompts match too
 IMBALANCE_ABS = 4  # requests: a difference below this is never imbalance
@@ -111,22 +112,15 @@ class Router:
 
 def prefix_keys(tokens: list[int], salt: str = "") -> list[tuple[bytes, int]]:
     """(key, tokens it covers) for each whole ROUTE_BLOCK of the prompt's head (all tokens but the
-    last), each key chained on the one before, and one more for the whole head where it ends inside
-    a block."""
+    last), each key chained on the one before (proto/contract.py's prefix keys), and one more for the
+    whole head where it ends inside a block."""
     head = tokens[:-1]
-    keys, chain = [], hashlib.blake2b(salt.encode(), digest_size=16).digest()
-    whole = len(head) // ROUTE_BLOCK * ROUTE_BLOCK
-    for end in range(ROUTE_BLOCK, whole + 1, ROUTE_BLOCK):
-        chain = _chained(chain, head[end - ROUTE_BLOCK : end])
-        keys.append((chain, end))
-    if whole < len(head):
-        keys.append((_chained(chain, head[whole:], b"tail"), len(head)))
+    blocks = len(head) // ROUTE_BLOCK
+    chain = block_hashes(salt, head, blocks, ROUTE_BLOCK)
+    keys = [(key, (index + 1) * ROUTE_BLOCK) for index, key in enumerate(chain)]
+    if len(head) % ROUTE_BLOCK:
+        keys.append((tail_hash(salt, chain, head[blocks * ROUTE_BLOCK :]), len(head)))
     return keys
-
-
-def _chained(parent: bytes, block: list[int], kind: bytes = b"block") -> bytes:
-    data = b"".join((kind, parent, *(token.to_bytes(4, "little") for token in block)))
-    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _matched(replica: Replica, keys: list[tuple[bytes, int]]) -> int:

@@ -50,3 +50,30 @@ class Stream:
     DRAFT = 1  # the draft's guess
     ACCEPT = 2  # the accept/reject coin
     TARGET = 3  # the target's own token: recovered, bonus or plain decode
+
+
+# Prefix keys: a chain of hashes over fixed-size blocks of token ids, salted at the root by a cache
+# salt, where each block's key stands for every token up to it. The services' prefix caches key their
+# entries so (model/prefix_cache.py, 64-token blocks); the orchestrator's router keys the prompts it
+# routed so (orchestrator/router.py, 16-token blocks).
+
+
+def root_hash(salt: str) -> bytes:
+    return hashlib.blake2b(salt.encode(), digest_size=16).digest()
+
+
+def block_hashes(salt: str, tokens, blocks: int, block_tokens: int) -> list[bytes]:
+    """The key after each of the first `blocks` blocks: blake2b(parent, block tokens), the salt at the root."""
+    parent, out = root_hash(salt), []
+    for index in range(blocks):
+        block = tokens[index * block_tokens : (index + 1) * block_tokens]
+        parent = hashlib.blake2b(parent + struct.pack(f"<{len(block)}I", *block), digest_size=16).digest()
+        out.append(parent)
+    return out
+
+
+def tail_hash(salt: str, chain: list[bytes], tail) -> bytes:
+    """The key of tokens that end inside a block: the key of their whole blocks (`chain`; the salt's
+    root where there are none), then the tail, marked so that no block's key is ever a tail's."""
+    parent = chain[-1] if chain else root_hash(salt)
+    return hashlib.blake2b(parent + b"tail" + struct.pack(f"<{len(tail)}I", *tail), digest_size=16).digest()
