@@ -56,9 +56,10 @@ def add_parser(verbs) -> None:
     parser.add_argument(
         "--draft",
         default=None,
-        metavar="HOST:PORT",
-        help="the draft service (leave it out, or give it empty, to run on the target alone: then only "
-        "--drafter ngram or suffix guess, in the orchestrator, and no draft model is needed)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the draft service; several, comma-separated, are a pool routed like --target's. Leave it out, or "
+        "give it empty, to run on the target alone: then only --drafter ngram or suffix guess, in the "
+        "orchestrator, and no draft model is needed",
     )
     parser.add_argument(
         "--target",

@@ -67,9 +67,17 @@ def add_parser(verbs) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="target services on this machine (ports from --target-port on), one orchestrator routing each new "
-        "request to one of them by load and by the prefixes it was sent (orchestrator/router.py); not yet "
+        help="target services on this machine (replica i on --target-port + 100 i), one orchestrator routing each "
+        "new request to one of them by load and by the prefixes it was sent (orchestrator/router.py); not yet "
         "with --ray-address. With --engine sim they test routing on a small machine",
+    )
+    parser.add_argument(
+        "--draft-replicas",
+        type=int,
+        default=1,
+        metavar="M",
+        help="draft services on this machine (replica i on --draft-port + 100 i), routed alike: each new request "
+        "whose drafter asks the draft goes to one; not yet with --ray-address",
     )
     add_drafter_flag(parser, "the orchestrator's default (ngram or suffix: the stack runs no draft service); ")
     add_draft_ahead_flag(parser)
@@ -159,10 +167,11 @@ def run(args: argparse.Namespace) -> int:
             f"{', '.join(given)}: a stack on this machine does not pass these on yet; they are for --ray-address "
             "(or start each component with `specd serve` and its flags)"
         )
-    if args.target_replicas < 1:
-        raise UserError("--target-replicas must be >= 1")
-    if args.ray_address and args.target_replicas != 1:
-        raise UserError("--target-replicas is for a stack on this machine; a cluster has one target so far")
+    for role in ("target", "draft"):
+        if (count := getattr(args, f"{role}_replicas")) < 1:
+            raise UserError(f"--{role}-replicas must be >= 1")
+        if args.ray_address and count != 1:
+            raise UserError(f"--{role}-replicas is for a stack on this machine; a cluster has one {role} so far")
     if args.ray_address and args.draft_ahead != "auto":
         raise UserError("--draft-ahead is for a stack on this machine; on a cluster a request sets draft_ahead")
     if args.ray_address and (args.draft_threads or args.target_threads):
@@ -275,6 +284,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_port=args.draft_port,
             target_port=args.target_port,
             target_replicas=args.target_replicas,
+            draft_replicas=args.draft_replicas,
             port=args.port,
             http_port=args.http_port,
             draft_metrics_port=args.draft_metrics_port,

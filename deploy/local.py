@@ -24,6 +24,8 @@ from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.host import DEFAULT_DRAIN_SECONDS
 
+REPLICA_PORT_STEP = 100  # replica i of a role listens on the role's ports + 100 i (50062, 50162, ...)
+
 
 @dataclass
 class StackConfig:
@@ -33,9 +35,10 @@ class StackConfig:
     target_threads: int | None = None  # the target's own, over `threads`
     draft_model: str = "draft"
     target_model: str = "target"
-    draft_port: int = 0  # 0 picks a free port
-    target_port: int = 0  # with several target replicas, the first's: the others take the ports after it
+    draft_port: int = 0  # 0 picks a free port; with several replicas the first's (REPLICA_PORT_STEP)
+    target_port: int = 0
     target_replicas: int = 1  # target services, one orchestrator routing requests over them (router.py)
+    draft_replicas: int = 1  # draft services, alike (with a drafter that asks the draft)
     port: int = 0  # the orchestrator's
     http_port: int = 0  # the orchestrator's OpenAI-compatible API
     draft_metrics_port: int = 0  # Prometheus /metrics of each process
@@ -100,16 +103,16 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         config = self.config
-        draft = self._service("draft") if config.with_draft else None  # a lookup-only drafter needs none
-        targets = [self._service("target", replica) for replica in range(config.target_replicas)]
+        drafts = [self._service("draft", i) for i in range(config.draft_replicas if config.with_draft else 0)]
+        targets = [self._service("target", i) for i in range(config.target_replicas)]
         loading = f"the draft ({config.draft_model}) and the target ({config.target_model})"
-        if not draft:
+        if not drafts:
             loading = f"the target ({config.target_model}), no draft: the {config.drafter} drafter only looks up"
-        if config.target_replicas > 1:
-            loading += f"; {config.target_replicas} target replicas"
+        for role, pool in (("draft", drafts), ("target", targets)):
+            loading += f"; {len(pool)} {role} replicas" if len(pool) > 1 else ""
         self.say(f"loading {loading}; logs in {self.log_dir}")
         started = time.monotonic()
-        await asyncio.gather(*(self._wait(child) for child in (draft, *targets) if child))
+        await asyncio.gather(*(self._wait(child) for child in (*drafts, *targets)))
         self.say(f"models ready in {time.monotonic() - started:.0f} s; starting the orchestrator on Ray")
         orchestrator = self._spawn(
             "orchestrator",
@@ -117,7 +120,7 @@ class LocalStack:
             config.metrics_port,
             [
                 "orchestrator",
-                *(["--draft", draft.address] if draft else []),
+                *(["--draft", ",".join(draft.address for draft in drafts)] if drafts else []),
                 "--target",
                 ",".join(target.address for target in targets),
                 "--http-port",
@@ -139,7 +142,8 @@ class LocalStack:
 
     def _service(self, role: str, replica: int = 0) -> Child:
         """`specd serve draft|target` with this stack's flags for that role (StackConfig's `<role>_*` fields);
-        `replica` > 0: another target replica, on the ports after the first's (free ones where those are 0)."""
+        `replica` > 0: another replica of that role, on the first's ports + REPLICA_PORT_STEP × replica (free
+        ones where those are 0)."""
         config = self.config
 
         def own(field: str):
@@ -157,7 +161,7 @@ class LocalStack:
             exactness=config.exactness,
         )
         serve_args = [role, "--model", own("model"), *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
-        ports = [port + replica if port else 0 for port in (own("port"), own("metrics_port"))]
+        ports = [port + REPLICA_PORT_STEP * replica if port else 0 for port in (own("port"), own("metrics_port"))]
         name = f"{role}-{replica}" if replica else role
         return self._spawn(name, *ports, serve_args, config.service_env)
 

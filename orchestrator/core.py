@@ -253,6 +253,7 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "resyncs": stats.resyncs,
         "drafter": stats.drafter,
         "target": stats.target,
+        "draft": stats.draft,
         "lookup_steps": stats.lookup_steps,
         "lookup_drafted": stats.lookup_drafted,
         "lookup_accepted": stats.lookup_accepted,

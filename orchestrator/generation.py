@@ -98,6 +98,7 @@ class Generation:
             adaptive=adaptive,
             drafter=request.drafter,
             target=request.target,
+            draft=request.draft,
         )
         # The guesses that cost no model: over the committed tokens (and the worker's recent outputs)
         self.recent = recent  # shared by a worker's requests: this one's output joins it when it ends

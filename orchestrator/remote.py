@@ -76,6 +76,51 @@ async def wait_until_serving(
     raise TimeoutError(f"{address} did not report SERVING within {timeout_s:.0f} s (last: {last}); is it running?")
 
 
+@dataclass
+class Service:
+    """One connected model service: its channel, stub and Info; a target's tokenizer too."""
+
+    address: str
+    channel: grpc.aio.Channel
+    stub: draft_pb2_grpc.DraftServiceStub | target_pb2_grpc.TargetServiceStub
+    info: common_pb2.ModelInfo
+    tokenizer: Tokenizer | None = None  # a target's
+    tokenizer_config: dict = field(default_factory=dict)  # a target's, with its chat template
+
+
+async def connect_service(
+    role: str, address: str, timeout_s: float = 600.0, security: ClientSecurity = ClientSecurity()
+) -> Service:
+    """Wait until the `role` ("draft" or "target") service at `address` serves, then connect; a
+    target's tokenizer comes with it. `security`: the orchestrator's token and CA."""
+    await wait_until_serving(address, timeout_s, security)
+    channel = security.channel(address, CHANNEL_OPTIONS)
+    if role == "draft":
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        return Service(address, channel, stub, await stub.Info(common_pb2.InfoRequest()))
+    stub = target_pb2_grpc.TargetServiceStub(channel)
+    info, files = await asyncio.gather(
+        stub.Info(common_pb2.InfoRequest()), stub.Tokenizer(common_pb2.TokenizerRequest())
+    )
+    tokenizer = Tokenizer.from_str(files.files["tokenizer.json"].decode())
+    return Service(address, channel, stub, info, tokenizer, tokenizer_config(files.files))
+
+
+def pair_of(draft: Service | None, target: Service) -> ServicePair:
+    """A draft (None: the target alone) and a target that can work together, as a pair."""
+    if draft:
+        check_pair(draft.info, target.info)
+    return ServicePair(
+        draft.stub if draft else None,
+        target.stub,
+        draft.info if draft else None,
+        target.info,
+        target.tokenizer,
+        tuple(service.channel for service in (draft, target) if service),
+        target.tokenizer_config,
+    )
+
+
 async def connect_pair(
     draft_address: str | None,
     target_address: str,
@@ -84,30 +129,11 @@ async def connect_pair(
 ) -> ServicePair:
     """Wait for both services, check they form a pair; `security`: the orchestrator's token and CA.
     `draft_address` None (or empty): the target alone, for the lookup drafters."""
-    draft_address = draft_address or None
-    addresses = [address for address in (draft_address, target_address) if address]
-    await asyncio.gather(*(wait_until_serving(address, timeout_s, security) for address in addresses))
-    target_channel = security.channel(target_address, CHANNEL_OPTIONS)
-    target_stub = target_pb2_grpc.TargetServiceStub(target_channel)
-    target_info, files = await asyncio.gather(
-        target_stub.Info(common_pb2.InfoRequest()), target_stub.Tokenizer(common_pb2.TokenizerRequest())
-    )
-    draft_channel = draft_stub = draft_info = None
+    connecting = [connect_service("target", target_address, timeout_s, security)]
     if draft_address:
-        draft_channel = security.channel(draft_address, CHANNEL_OPTIONS)
-        draft_stub = draft_pb2_grpc.DraftServiceStub(draft_channel)
-        draft_info = await draft_stub.Info(common_pb2.InfoRequest())
-        check_pair(draft_info, target_info)
-    tokenizer = Tokenizer.from_str(files.files["tokenizer.json"].decode())
-    return ServicePair(
-        draft_stub,
-        target_stub,
-        draft_info,
-        target_info,
-        tokenizer,
-        tuple(channel for channel in (draft_channel, target_channel) if channel is not None),
-        tokenizer_config(files.files),
-    )
+        connecting.append(connect_service("draft", draft_address, timeout_s, security))
+    target, *draft = await asyncio.gather(*connecting)
+    return pair_of(draft[0] if draft else None, target)
 
 
 def tokenizer_config(files) -> dict:

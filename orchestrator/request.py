@@ -37,6 +37,7 @@ class GenerationRequest:
     max_propose_tokens: int = 0  # the most guesses one Propose may ask for (the draft's limits); 0: the K bound
     cache_salt: str = ""  # the tenant's: every cursor carries it, so the services reuse only its prefixes
     target: str = ""  # the target replica the pool routed it to (router.py); "": the only one
+    draft: str = ""  # the draft replica the pool routed it to; "": the only one, or none asked
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -91,6 +92,7 @@ class Stats:
     accepted: int = 0
     drafter: str = ""
     target: str = ""  # the target replica that served it (its address)
+    draft: str = ""  # the draft replica it was routed to (its address); "": none asked, or the only one
     lookup_steps: int = 0  # of drafting_steps, those the prompt lookup guessed for (no draft call)
     lookup_drafted: int = 0
     lookup_accepted: int = 0

@@ -16,7 +16,7 @@ from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.request import Delta, Failed, Finished
-from specd.orchestrator.worker import WorkerPool, target_replicas
+from specd.orchestrator.worker import WorkerPool, replicas
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
 from specd.proto.logprobs import top_logprobs_messages
@@ -130,16 +130,16 @@ class OrchestratorServer:
 
     async def start(self, address: str = "127.0.0.1:0") -> int:
         draft_address, target_address = self.addresses
-        # The served pair's facts (tokenizer, limits, Info) from the first target replica; every worker
-        # checks each replica against the draft when it connects (worker.py)
-        pair = await connect_pair(draft_address, target_replicas(target_address)[0], security=self.service_security)
+        # The served pair's facts (tokenizer, limits, Info) from the first replicas; every worker checks
+        # each draft replica against each target replica when it connects (worker.py)
+        first_draft = replicas(draft_address)[0] if draft_address else None
+        pair = await connect_pair(first_draft, replicas(target_address)[0], security=self.service_security)
         self.pool = WorkerPool(
             *self.addresses,
             workers=self.workers,
             policy=self.policy,
             security=self.service_security,
             max_requests=self.limits[0],
-            pair=pair,
             otlp_endpoint=self.otlp_endpoint,
         )
         await self.pool.ready()

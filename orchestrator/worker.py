@@ -7,10 +7,12 @@ generator. Ray places and restarts the actors; the pool only picks the least bus
 requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose actor died with UNAVAILABLE
 (the actor restarts and serves the next requests).
 
-The target may be a pool of replicas (`target_address` "host:port,host:port,..."): the pool routes
-each new request to one of them by load and by the prefixes each was sent (router.py) and the
-request stays there; every worker holds channels to every replica, and measures each one's costs
-apart (its own load B, its own pass times).
+The target and the draft may each be a pool of replicas (`target_address` "host:port,host:port,...",
+and so `draft_address`): the pool routes each new request to a target replica and, where its drafter
+asks the draft, to a draft replica, each by load and by the prefixes each replica was sent (one
+router per role, router.py); the request stays on them. Every worker holds one channel to every
+replica, a draft gate per draft replica, and measures each (draft, target) pair's costs apart (its
+own load B, its own pass times).
 """
 
 import asyncio
@@ -27,13 +29,14 @@ from specd.orchestrator.ahead import share_cores
 from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation
-from specd.orchestrator.remote import ServicePair, connect_pair
+from specd.orchestrator.lookup import LOOKUP_ONLY
+from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of
 from specd.orchestrator.request import Failed, GenerationRequest
 from specd.orchestrator.router import Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
-from specd.v1 import common_pb2
+from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 
 class GenerationWorker:
@@ -46,26 +49,30 @@ class GenerationWorker:
         otlp_endpoint: str | None = None,
     ):
         tracing.setup(otlp_endpoint, "specd-orchestrator")  # this actor is a process of its own: it traces itself
-        self.draft_address = draft_address
-        self.targets = target_replicas(target_address)
+        self.drafts = replicas(draft_address) if draft_address else []
+        self.targets = replicas(target_address)
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
-        self.draft_gate = DraftGate(policy)  # one per worker: a dead draft is noticed once, not per request
-        # one per worker and target replica: what calls cost now, for choosing K (costs.py)
-        self.costs = {target: ServiceCosts() for target in self.targets}
+        # one per worker and draft replica: a dead draft is noticed once, not per request
+        self.draft_gates = {draft: DraftGate(policy) for draft in self.drafts}
+        # one per worker and (draft, target) pair: what calls cost now, for choosing K (costs.py)
+        self.costs: dict[tuple[str | None, str], ServiceCosts] = {}
         self.recent_outputs = RecentOutputs()  # one per worker: its latest outputs, for the suffix drafter
-        self.pairs: dict[str, ServicePair] = {}  # per target replica: the draft and that target
+        self.services: dict[str, Service] = {}  # per replica address: its channel, stub and Info
+        self.pairs: dict[tuple[str | None, str], ServicePair] = {}
         self.connecting = asyncio.Lock()
 
     async def ready(self) -> bool:
         for target in self.targets:
-            await self._connect(target)
+            for draft in self.drafts or [None]:
+                await self._connect(draft, target)
         return True
 
     async def generate(self, request: GenerationRequest, trace_carrier: dict[str, str] | None = None):
         """The request's events; `trace_carrier`: the caller's trace context (tracing.carrier)."""
         target = request.target or self.targets[0]
-        pair = await self._connect(target)
+        draft = (request.draft or self.drafts[0]) if self.drafts else None
+        pair = await self._connect(draft, target)
         generation = Generation(
             request,
             pair.draft_stub,
@@ -73,8 +80,8 @@ class GenerationWorker:
             pair.tokenizer,
             set(pair.target_info.eos_token_ids),
             self.policy,
-            self.draft_gate,
-            self.costs[target],
+            self.draft_gates.get(draft),
+            self.costs[draft, target],
             trace_parent=tracing.parent(trace_carrier),
             recent=self.recent_outputs,
         )
@@ -86,23 +93,31 @@ class GenerationWorker:
         except grpc.aio.AioRpcError as error:
             yield Failed(error.code().name, f"{error.details()} (from a model service)")
 
-    async def _connect(self, target: str) -> ServicePair:
+    async def _connect(self, draft: str | None, target: str) -> ServicePair:
+        """The pair of these replicas, each service connected once however many pairs it is in."""
         async with self.connecting:
-            if (pair := self.pairs.get(target)) is None:
-                pair = self.pairs[target] = await connect_pair(self.draft_address, target, security=self.security)
+            if (pair := self.pairs.get((draft, target))) is None:
+                services = (await self._service("draft", draft), await self._service("target", target))
+                pair = self.pairs[draft, target] = pair_of(*services)
+                costs = self.costs[draft, target] = ServiceCosts()
                 if pair.has_draft:
-                    self.costs[target].shared_cores = share_cores(
-                        self.draft_address, target, pair.draft_info, pair.target_info
-                    )
+                    costs.shared_cores = share_cores(draft, target, pair.draft_info, pair.target_info)
             return pair
 
+    async def _service(self, role: str, address: str | None) -> Service | None:
+        if address is None:
+            return None
+        if (service := self.services.get(address)) is None:
+            service = self.services[address] = await connect_service(role, address, security=self.security)
+        return service
 
-def target_replicas(target_address: str) -> list[str]:
-    """The target replicas of a --target: one address, or several comma-separated (a pool)."""
-    replicas = [address.strip() for address in target_address.split(",") if address.strip()]
-    if not replicas:
-        raise ValueError("--target needs a HOST:PORT (or several, comma-separated)")
-    return replicas
+
+def replicas(address: str) -> list[str]:
+    """The replicas of a --target or --draft: one address, or several comma-separated (a pool)."""
+    found = [part.strip() for part in address.split(",") if part.strip()]
+    if not found:
+        raise ValueError("--target and --draft take a HOST:PORT (or several, comma-separated)")
+    return found
 
 
 RemoteWorker = ray.remote(GenerationWorker)
@@ -123,7 +138,6 @@ class WorkerPool:
         policy: FaultPolicy = FaultPolicy(),
         security: ClientSecurity = ClientSecurity(),
         max_requests: int | None = None,
-        pair: ServicePair | None = None,
         otlp_endpoint: str | None = None,
     ):
         self.actors = [
@@ -133,10 +147,13 @@ class WorkerPool:
             for _ in range(workers)
         ]
         self.max_requests = max_requests  # requests in flight over all actors; None = no limit
-        self.pair = pair  # stubs to release the sessions of a request whose actor died
+        self.security = security  # to release the sessions of a request whose actor died
         self.in_flight = [0] * workers
         self._turns = itertools.count()  # rotates which actor wins a tie
-        self.router = Router(target_replicas(target_address))  # which target replica serves a new request
+        # which replicas serve a new request: a target, and a draft where the request asks one
+        self.routers = {"target": Router(replicas(target_address))}
+        if draft_address:
+            self.routers["draft"] = Router(replicas(draft_address))
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
@@ -151,14 +168,16 @@ class WorkerPool:
                 ),
             )
             return
-        route = self.router.route(request.prompt_ids, request.cache_salt)
-        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, target=route.replica)
+        roles = [role for role in self.routers if role == "target" or request.drafter not in LOOKUP_ONLY]
+        routes = {role: self.routers[role].route(request.prompt_ids, request.cache_salt).replica for role in roles}
+        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, **routes)
         try:
             async with contextlib.aclosing(self._on_a_worker(request)) as events:
                 async for event in events:
                     yield event
         finally:
-            self.router.done(route.replica)
+            for role, replica in routes.items():
+                self.routers[role].done(replica)
 
     async def _on_a_worker(self, request: GenerationRequest):
         """The request's events from the least busy worker, another if that one dies before it starts."""
@@ -177,7 +196,7 @@ class WorkerPool:
                         yield event
                 return
             except RayActorError as error:
-                await self._release(request.session_id)
+                await self._release(request)
                 if not started and len(tried) == len(self.actors) and not waited:
                     # Nothing sent and every actor down (one worker, or all restarting): wait for the
                     # first to come back, once, rather than fail a request that can still be served.
@@ -233,13 +252,18 @@ class WorkerPool:
             self.in_flight[index] -= 1
             ray.cancel(stream)  # a no-op when it finished; on a client cancel it stops the loop
 
-    async def _release(self, session_id: str) -> None:
-        """Release a dead actor's sessions now rather than at idle eviction."""
-        if self.pair:
-            release = common_pb2.ReleaseRequest(session_id=session_id)
-            await asyncio.gather(
-                *(stub.Release(release, timeout=5.0) for stub in self.pair.stubs), return_exceptions=True
-            )
+    async def _release(self, request: GenerationRequest) -> None:
+        """Release a dead actor's sessions on the request's replicas now rather than at idle eviction."""
+        release = common_pb2.ReleaseRequest(session_id=request.session_id)
+
+        async def on(address: str, stub) -> None:
+            async with self.security.channel(address) as channel:
+                await stub(channel).Release(release, timeout=5.0)
+
+        calls = [on(request.target, target_pb2_grpc.TargetServiceStub)]
+        if request.draft:
+            calls.append(on(request.draft, draft_pb2_grpc.DraftServiceStub))
+        await asyncio.gather(*calls, return_exceptions=True)
 
     def shutdown(self) -> None:
         for actor in self.actors:
