@@ -65,6 +65,7 @@ from specd.bench.workload import (
     RequestResult,
     Settings,
     load_prompts,
+    shared_contexts,
 )
 
 __all__ = [  # the load tester's public names, wherever they live
@@ -91,6 +92,7 @@ __all__ = [  # the load tester's public names, wherever they live
     "open_loop",
     "percentiles",
     "run_loadtest",
+    "shared_contexts",
     "source_summary",
     "speculation_summary",
     "summarize_run",
@@ -283,6 +285,7 @@ def machine_info() -> dict:
 def _settings_dict(settings: Settings, requests: int, concurrency, rates, prompts_file, server_info) -> dict:
     record = asdict(settings)
     record["prompts"] = len(settings.prompts)
+    record["shared_prefixes"] = len(settings.shared_prefixes)  # how many, not their text
     return {
         **record,
         "prompts_file": prompts_file,

@@ -5,6 +5,11 @@ targets (grpc_target.py, openai_client.py) fill and the figures (loadtest_stats.
 A prompts file is JSON lines, `{"prompt": ..., "kind": ...}`: the default `prompts.jsonl` mixes
 code, docstrings, prose and chat, `prose.jsonl` is an LLMPerf-style prose workload of sonnet lines,
 `long.jsonl` ~1,000-token code prompts. Requests take the prompts in turn.
+
+The shared-prefix workload (`--shared-prefixes N`, issue 39: many users over a few system prompts):
+each request's prompt opens with one of N shared contexts of ~1,000 tokens (`shared_contexts`),
+picked by a hash of the seed and the request's number (the same sequence for every target, and no
+cycle that round-robin routing could fall in step with), then its own line and a prompt in turn.
 """
 
 import hashlib
@@ -41,14 +46,19 @@ class Settings:
     # load test share more than the comment mark and a few hex digits, and no server can answer
     # one from its prefix cache. "": off.
     unique_tag: str = ""
+    shared_prefixes: tuple[str, ...] = ()  # contexts the prompts open with, one picked per request (or none)
 
     def prompt(self, index: int) -> str:
-        """Request number `index`'s prompt: the prompts in turn, opened by `# <hex>` where unique."""
+        """Request number `index`'s prompt: the prompts in turn, opened by `# <hex>` where unique,
+        after one of the shared contexts where there are some."""
         prompt = self.prompts[index % len(self.prompts)]
-        if not self.unique_tag:
-            return prompt
-        line = hashlib.blake2b(f"{self.unique_tag}-{index}".encode(), digest_size=6).hexdigest()
-        return f"# {line}\n{prompt}"
+        if self.unique_tag:
+            line = hashlib.blake2b(f"{self.unique_tag}-{index}".encode(), digest_size=6).hexdigest()
+            prompt = f"# {line}\n{prompt}"
+        if self.shared_prefixes:
+            pick = hashlib.blake2b(f"{self.seed}-{index}".encode(), digest_size=4).digest()
+            prompt = self.shared_prefixes[int.from_bytes(pick) % len(self.shared_prefixes)] + prompt
+        return prompt
 
 
 @dataclass
@@ -98,6 +108,16 @@ def load_prompts(path: Path | str = DEFAULT_PROMPTS) -> list[str]:
     if not prompts:
         raise PromptsError(f"prompts file {path} holds no prompts")
     return prompts
+
+
+def shared_contexts(count: int) -> tuple[str, ...]:
+    """`count` shared contexts of ~1,000 tokens: the long prompts in turn, each under a first line of
+    its own (so no two share a prefix block, whichever long prompt they carry)."""
+    long = load_prompts(LONG_PROMPTS) if count else []
+    return tuple(
+        f"# Shared context {number}: the module below, then a question about it.\n{long[number % len(long)]}\n"
+        for number in range(count)
+    )
 
 
 def _prompt_of(line: str, path: Path, number: int) -> str:

@@ -113,6 +113,15 @@ def add_parser(verbs) -> None:
         "prompt repeats and no server answers one from its prefix cache",
     )
     parser.add_argument(
+        "--shared-prefixes",
+        type=int,
+        default=0,
+        metavar="N",
+        help="many users over N system prompts: every prompt opens with one of N shared ~1,000-token contexts "
+        "(picked per request by a hash of --seed and its number), then a line of its own (as --unique-prompts) "
+        "and a prompt in turn; for prefix caches and prefix-aware routing",
+    )
+    parser.add_argument(
         "--chat",
         nargs="?",
         const="",
@@ -215,7 +224,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None)
                     repeats=args.repeats,
                     warmup=args.warmup,
                     targets=targets,
-                    unique_prompts=args.unique_prompts,
+                    unique_prompts=args.unique_prompts or args.shared_prefixes > 0,
                 )
             )
         except _target_errors(targets) as error:  # a server that refuses connections, no model, ...
@@ -240,6 +249,7 @@ def run_chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         "--requests": args.requests is not None,
         "--prompts": args.prompts is not None,
         "--unique-prompts": args.unique_prompts,
+        "--shared-prefixes": args.shared_prefixes,
     }
     for flag, given in refused.items():
         if given:
@@ -293,6 +303,7 @@ def _settings(args, loadtest, prompts: list[str] | None = None):
         drafter=args.drafter or "",
         ignore_eos=not args.respect_eos,
         timeout=args.timeout,
+        shared_prefixes=loadtest.shared_contexts(args.shared_prefixes),
     )
 
 
@@ -385,6 +396,8 @@ def _check(args) -> None:
         raise UserError("--concurrency levels must be >= 1 and --rate > 0")
     if not (args.rate or args.concurrency):
         raise UserError("give at least one --concurrency level or --rate")
+    if args.shared_prefixes < 0:
+        raise UserError("--shared-prefixes must be >= 0")
 
 
 def _int_list(text: str) -> list[int]:

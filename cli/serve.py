@@ -68,6 +68,7 @@ def add_parser(verbs) -> None:
         help="the target service; several, comma-separated, are a pool of replicas: each new request goes to "
         "one by load and by the prefixes it was sent (orchestrator/router.py) and stays there",
     )
+    add_routing_flag(parser)
     parser.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     parser.add_argument("--workers", type=int, default=2, help="Ray generation workers (actors)")
     parser.add_argument(
@@ -293,6 +294,19 @@ def add_draft_ahead_flag(parser) -> None:
     )
 
 
+def add_routing_flag(parser) -> None:
+    """--routing: how the orchestrator places new requests on a pool of replicas (router.py)."""
+    from specd.orchestrator.router import ROUTINGS
+
+    parser.add_argument(
+        "--routing",
+        choices=ROUTINGS,
+        default=ROUTINGS[0],
+        help="with several target or draft replicas, how each new request is placed: prefix (default: by the "
+        "prefixes each replica was sent, inside a load bound) or round-robin (in turn, the baseline)",
+    )
+
+
 def _security(args, client: bool = False):
     try:
         return client_security_from_args(args) if client else server_security_from_args(args)
@@ -387,6 +401,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
             max_draft_tokens=args.max_draft_tokens,
             drafter=args.drafter,
             draft_ahead=args.draft_ahead,
+            routing=args.routing,
             policy=policy,
             security=security,
             service_security=service_security,

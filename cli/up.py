@@ -24,6 +24,7 @@ from specd.cli.serve import (
     add_draft_ahead_flag,
     add_drain_flag,
     add_prefix_cache_flag,
+    add_routing_flag,
     add_tracing_flag,
     limits_from_args,
 )
@@ -81,6 +82,7 @@ def add_parser(verbs) -> None:
     )
     add_drafter_flag(parser, "the orchestrator's default (ngram or suffix: the stack runs no draft service); ")
     add_draft_ahead_flag(parser)
+    add_routing_flag(parser)
     cluster = parser.add_argument_group("with --ray-address")
     cluster.add_argument(
         "--replicas", type=int, default=1, help="orchestrator replicas (replica i adds i to each port)"
@@ -172,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"--{role}-replicas must be >= 1")
         if args.ray_address and count != 1:
             raise UserError(f"--{role}-replicas is for a stack on this machine; a cluster has one {role} so far")
+    if args.ray_address and args.routing != "prefix":
+        raise UserError("--routing places requests on a pool of replicas, for a stack on this machine so far")
     if args.ray_address and args.draft_ahead != "auto":
         raise UserError("--draft-ahead is for a stack on this machine; on a cluster a request sets draft_ahead")
     if args.ray_address and (args.draft_threads or args.target_threads):
@@ -301,6 +305,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             target_engine=args.engine,
             drafter=args.drafter,
             draft_ahead=args.draft_ahead,
+            routing=args.routing,
             otlp_endpoint=args.otlp_endpoint,
             drain_seconds=args.drain_seconds,
             prefix_cache_tokens=None if args.prefix_cache_tokens == AUTO_PREFIX_TOKENS else args.prefix_cache_tokens,

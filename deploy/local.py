@@ -57,6 +57,7 @@ class StackConfig:
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid); ngram/suffix: no draft
     draft_ahead: str | None = None  # the orchestrator's --draft-ahead; None: its own (auto)
+    routing: str | None = None  # the orchestrator's --routing over the replicas; None: its own (prefix)
     otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
     drain_seconds: float | None = None  # --drain-seconds of all three processes; None: their default (30)
     prefix_cache_tokens: int | None = None  # both model services' --prefix-cache-tokens; None: their default (auto)
@@ -132,6 +133,7 @@ class LocalStack:
                     draft_tokens=config.draft_tokens,
                     drafter=config.drafter,
                     draft_ahead=config.draft_ahead,
+                    routing=config.routing,
                     otlp_endpoint=config.otlp_endpoint,
                     drain_seconds=config.drain_seconds,
                 ),

@@ -20,6 +20,9 @@ The choice, in order:
    AFFINITY_SHARE of the prompt's head or more.
 3. The least loaded; among equals the one remembering the fewest blocks (the most room), then in turn.
 Every decision is counted by its reason (`decisions`: affinity, load, imbalance).
+
+`round-robin` instead (ROUTINGS): each replica in turn, whatever it holds or carries; the baseline
+that prefix routing is measured against (scripts/measure_sim_routing.sh).
 """
 
 from collections import Counter, OrderedDict
@@ -32,6 +35,7 @@ IMBALANCE_ABS = 4  # requests: a difference below this is never imbalance
 IMBALANCE_REL = 1.5  # ... nor a most loaded replica within 1.5 times the least loaded
 AFFINITY_SHARE = 0.3  # of the prompt's head: less than this in common is no reason to prefer a replica
 MEMORY_BLOCKS = 1 << 16  # blocks remembered per replica (a million tokens' worth)
+ROUTINGS = ("prefix", "round-robin")  # --routing: prefix affinity inside a load bound (the default), or in turn
 
 
 @dataclass
@@ -44,12 +48,15 @@ class Replica:
 @dataclass(frozen=True)
 class Route:
     replica: str
-    reason: str  # affinity, load or imbalance
+    reason: str  # affinity, load, imbalance (or round-robin)
     matched_tokens: int  # of the prompt's head, the leading tokens the replica was sent before
 
 
 class Router:
-    def __init__(self, names: list[str], memory_blocks: int = MEMORY_BLOCKS):
+    def __init__(self, names: list[str], memory_blocks: int = MEMORY_BLOCKS, routing: str = ROUTINGS[0]):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing {routing!r}: choose {' or '.join(ROUTINGS)}")
+        self.routing = routing
         self.memory_blocks = memory_blocks
         self.replicas: dict[str, Replica] = {}
         self.decisions: Counter[str] = Counter()
@@ -75,7 +82,10 @@ class Router:
         loads = [replica.load for replica in replicas]
         matched = {replica.name: _matched(replica, keys) for replica in replicas}
         low, high = min(loads), max(loads)
-        if high - low > IMBALANCE_ABS and high > IMBALANCE_REL * low:
+        if self.routing == "round-robin":
+            self.turn += 1
+            chosen, reason = replicas[self.turn % len(replicas)], "round-robin"
+        elif high - low > IMBALANCE_ABS and high > IMBALANCE_REL * low:
             chosen, reason = self._least_loaded(replicas), "imbalance"
         else:
             best = max(replicas, key=lambda replica: (matched[replica.name], -replica.load))

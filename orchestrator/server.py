@@ -16,6 +16,7 @@ from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.request import Delta, Failed, Finished
+from specd.orchestrator.router import ROUTINGS
 from specd.orchestrator.worker import WorkerPool, replicas
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
@@ -102,6 +103,7 @@ class OrchestratorServer:
         drafter: str = DEFAULT_DRAFTER,
         otlp_endpoint: str | None = None,
         draft_ahead: str = DEFAULT_DRAFT_AHEAD,
+        routing: str = ROUTINGS[0],
     ):
         if not draft_address and drafter not in LOOKUP_ONLY:
             raise ValueError(
@@ -118,6 +120,7 @@ class OrchestratorServer:
         self.max_draft_tokens = max_draft_tokens
         self.drafter = drafter  # for requests that leave it empty (lookup.py)
         self.draft_ahead = draft_ahead  # for requests that leave it empty (ahead.py)
+        self.routing = routing  # how the pools of replicas place new requests (router.py)
         self.otlp_endpoint = otlp_endpoint  # where the Ray workers send their spans (proto/tracing.py); None: off
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -141,6 +144,7 @@ class OrchestratorServer:
             security=self.service_security,
             max_requests=self.limits[0],
             otlp_endpoint=self.otlp_endpoint,
+            routing=self.routing,
         )
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())

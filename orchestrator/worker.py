@@ -32,7 +32,7 @@ from specd.orchestrator.generation import Generation
 from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of
 from specd.orchestrator.request import Failed, GenerationRequest
-from specd.orchestrator.router import Router
+from specd.orchestrator.router import ROUTINGS, Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
@@ -139,6 +139,7 @@ class WorkerPool:
         security: ClientSecurity = ClientSecurity(),
         max_requests: int | None = None,
         otlp_endpoint: str | None = None,
+        routing: str = ROUTINGS[0],
     ):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
@@ -151,9 +152,9 @@ class WorkerPool:
         self.in_flight = [0] * workers
         self._turns = itertools.count()  # rotates which actor wins a tie
         # which replicas serve a new request: a target, and a draft where the request asks one
-        self.routers = {"target": Router(replicas(target_address))}
+        self.routers = {"target": Router(replicas(target_address), routing=routing)}
         if draft_address:
-            self.routers["draft"] = Router(replicas(draft_address))
+            self.routers["draft"] = Router(replicas(draft_address), routing=routing)
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))

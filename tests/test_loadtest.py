@@ -385,3 +385,19 @@ async def test_unique_prompts_never_repeat_so_no_server_serves_one_from_its_cach
             else:  # the warm-up sent it first: every request of the run takes all but its last token
                 assert run["cached_prompt_tokens"] == run["prompt_tokens"] - 3, run["target"]
         assert loadtest_report.summary_table(report).row_count == 4
+
+
+def test_shared_prefixes_open_each_prompt_with_one_of_n_contexts_the_same_for_every_target():
+    """Issue 39's shared-prefix workload: N contexts of ~1,000 tokens with no first line in common,
+    each prompt opened by one of them (every one used), then its own line; which one depends on the
+    seed and the request's number, not on the run's tag, so every target gets the same sequence."""
+    contexts = loadtest.shared_contexts(8)
+    assert len(set(contexts)) == 8 and min(len(c) for c in contexts) > 2000
+    assert len({c.split("\n", 1)[0] for c in contexts}) == 8
+    one, other = (settings_for("", shared_prefixes=contexts, unique_tag=tag) for tag in ("a", "b"))
+    picks = [[next(c for c in contexts if s.prompt(i).startswith(c)) for i in range(64)] for s in (one, other)]
+    assert picks[0] == picks[1] and set(picks[0]) == set(contexts)
+    assert picks[0] != [contexts[i % 8] for i in range(64)]  # no cycle for round robin to fall in step with
+    assert one.prompt(3) != other.prompt(3) and one.prompt(3).startswith(picks[0][3] + "# ")
+    reseeded = settings_for("", shared_prefixes=contexts, seed=1)
+    assert [next(c for c in contexts if reseeded.prompt(i).startswith(c)) for i in range(64)] != picks[0]

@@ -67,3 +67,13 @@ def test_replicas_join_and_leave_and_memory_is_bounded():
     router.remove("r1")
     with pytest.raises(LookupError, match="no replica"):
         router.route(prompt(1))
+
+
+def test_round_robin_takes_each_replica_in_turn_whatever_it_was_sent():
+    router = Router(["r0", "r1", "r2"], routing="round-robin")
+    routes = [router.route(prompt(i)) for i in range(6)]  # one system prompt: prefix routing keeps it on one
+    assert [route.replica for route in routes] == ["r1", "r2", "r0"] * 2
+    assert router.decisions == {"round-robin": 6}
+    assert routes[3].matched_tokens == len(SYSTEM)  # it was sent there before, and no matter
+    with pytest.raises(ValueError, match="round-robin"):
+        Router(["r0"], routing="random")
