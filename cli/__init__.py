@@ -7,10 +7,10 @@ and work in an orchestrator-only install (docs/architecture.md §1; tests/test_l
 import argparse
 import sys
 
-from specd.cli import bench, generate, loadtest, models, serve, up
+from specd.cli import bench, generate, loadtest, models, scale, serve, up
 from specd.cli.common import UserError
 
-SUBCOMMANDS = (models, serve, up, generate, loadtest, bench)
+SUBCOMMANDS = (models, serve, up, scale, generate, loadtest, bench)
 MODEL_PARTS = {"torch", "transformers"}  # what a model command needs beyond the client side
 
 

@@ -14,6 +14,7 @@ from collections.abc import AsyncGenerator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specd.orchestrator.request import Delta, Failed, Finished
+from specd.orchestrator.router import Route
 from specd.proto.metrics import LATENCY_BUCKETS
 
 TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -30,6 +31,20 @@ class OrchestratorMetrics:
             registry=registry,
         )
         self.running = Gauge("specd_requests_running", "Requests being generated now", registry=registry)
+        self.routes = Counter(
+            "specd_routes",
+            "New requests placed on a replica of a pool, by role (target, draft) and reason (affinity: the "
+            "replica sent the longest prefix of the prompt; load: the least loaded; imbalance: the least loaded "
+            "of an imbalanced pool; round-robin)",
+            ["role", "reason"],
+            registry=registry,
+        )
+        self.route_matched_tokens = Counter(
+            "specd_route_matched_tokens",
+            "Prompt tokens the chosen replica was sent before, by role (what its prefix cache likely holds)",
+            ["role"],
+            registry=registry,
+        )
         self.time_to_first_token = Histogram(
             "specd_time_to_first_token_seconds",
             "Seconds from a request's arrival to its first output token",
@@ -117,6 +132,11 @@ class OrchestratorMetrics:
         self.resyncs = Counter(
             "specd_session_resyncs", "Session calls resent after a service disagreed on its cache", registry=registry
         )
+
+    def routed(self, role: str, route: Route) -> None:
+        """A new request placed on a replica of the `role` pool (worker.py, router.py)."""
+        self.routes.labels(role, route.reason).inc()
+        self.route_matched_tokens.labels(role).inc(route.matched_tokens)
 
     def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
         """A request refused before it started."""

@@ -43,6 +43,7 @@ class Replica:
     name: str
     load: int = 0  # requests placed here and not yet done
     blocks: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recently routed first
+    draining: bool = False  # removed: no new request comes; forgotten when its load is done
 
 
 @dataclass(frozen=True)
@@ -65,20 +66,31 @@ class Router:
             self.add(name)
 
     def add(self, name: str) -> None:
-        """A replica joins (empty: nothing routed there yet)."""
-        self.replicas.setdefault(name, Replica(name))
+        """A replica joins (empty: nothing routed there yet); one draining takes new requests again."""
+        self.replicas.setdefault(name, Replica(name)).draining = False
 
     def remove(self, name: str) -> None:
-        """A replica leaves (draining or dead): no new request goes there."""
-        self.replicas.pop(name, None)
+        """A replica leaves (drained, or dead): no new request goes there, and it is forgotten once the
+        requests on it are done (`drained`)."""
+        if (replica := self.replicas.get(name)) is not None:
+            replica.draining = True
+            self._forget_if_drained(replica)
+
+    def drained(self, name: str) -> bool:
+        """Whether `name` is out of the pool with no request left on it."""
+        return name not in self.replicas
+
+    def serving(self) -> list[Replica]:
+        """The replicas that take new requests."""
+        return [replica for replica in self.replicas.values() if not replica.draining]
 
     def route(self, tokens: list[int], salt: str = "") -> Route:
         """The replica for a new request with these prompt tokens; counts it there until `done`."""
-        if not self.replicas:
+        replicas = self.serving()
+        if not replicas:
             raise LookupError("no replica to route to")
         keys = prefix_keys(tokens, salt)
         head = keys[-1][1] if keys else 0
-        replicas = list(self.replicas.values())
         loads = [replica.load for replica in replicas]
         matched = {replica.name: _matched(replica, keys) for replica in replicas}
         low, high = min(loads), max(loads)
@@ -102,6 +114,11 @@ class Router:
         """A request placed on `name` ended (however it ended)."""
         if (replica := self.replicas.get(name)) is not None and replica.load > 0:
             replica.load -= 1
+            self._forget_if_drained(replica)
+
+    def _forget_if_drained(self, replica: Replica) -> None:
+        if replica.draining and replica.load == 0:
+            del self.replicas[replica.name]
 
     def _least_loaded(self, replicas: list[Replica]) -> Replica:
         self.turn += 1

@@ -17,6 +17,7 @@ from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.request import Delta, Failed, Finished
 from specd.orchestrator.router import ROUTINGS
+from specd.orchestrator.scaling import ReplicasServicer
 from specd.orchestrator.worker import WorkerPool, replicas
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
@@ -25,6 +26,7 @@ from specd.proto.metrics import start_exporter
 from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
 
 SERVICE_NAME = "specd.v1.SpecDecode"
+REPLICAS_SERVICE_NAME = "specd.v1.Replicas"  # scaling.py: the pools of replicas, changed while serving
 API_LABEL = "grpc"  # the `api` label of this API's requests in the metrics
 STOP_GRACE_S = 1.0  # after the drain, how long gRPC calls still open get before they are cancelled
 
@@ -145,6 +147,7 @@ class OrchestratorServer:
             max_requests=self.limits[0],
             otlp_endpoint=self.otlp_endpoint,
             routing=self.routing,
+            on_route=self.metrics.routed,
         )
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())
@@ -160,8 +163,11 @@ class OrchestratorServer:
         )
         self.servicer = SpecDecodeServicer(self.core)
         specdecode_pb2_grpc.add_SpecDecodeServicer_to_server(self.servicer, self.server)
+        scaling = ReplicasServicer(self.pool, pair, self.service_security)
+        specdecode_pb2_grpc.add_ReplicasServicer_to_server(scaling, self.server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection((SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server)
+        names = (SERVICE_NAME, REPLICAS_SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME)
+        reflection.enable_server_reflection(names, self.server)
         self.port = self.security.bind(self.server, address)
         await self.server.start()
         for name in ("", SERVICE_NAME):

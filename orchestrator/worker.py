@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import itertools
 import uuid
+from collections.abc import Callable
 
 import grpc
 import ray
@@ -32,7 +33,7 @@ from specd.orchestrator.generation import Generation
 from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of
 from specd.orchestrator.request import Failed, GenerationRequest
-from specd.orchestrator.router import ROUTINGS, Router
+from specd.orchestrator.router import ROUTINGS, Route, Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
@@ -140,6 +141,7 @@ class WorkerPool:
         max_requests: int | None = None,
         otlp_endpoint: str | None = None,
         routing: str = ROUTINGS[0],
+        on_route: Callable[[str, Route], None] | None = None,
     ):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
@@ -155,6 +157,7 @@ class WorkerPool:
         self.routers = {"target": Router(replicas(target_address), routing=routing)}
         if draft_address:
             self.routers["draft"] = Router(replicas(draft_address), routing=routing)
+        self.on_route = on_route  # told each (role, route): the metrics count them
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
@@ -170,14 +173,19 @@ class WorkerPool:
             )
             return
         roles = [role for role in self.routers if role == "target" or request.drafter not in LOOKUP_ONLY]
-        routes = {role: self.routers[role].route(request.prompt_ids, request.cache_salt).replica for role in roles}
-        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, **routes)
+        routes = {role: self.routers[role].route(request.prompt_ids, request.cache_salt) for role in roles}
+        for role, route in routes.items():
+            tracing.annotate(**{role: route.replica, f"{role}_route": route.reason})  # the call's span
+            if self.on_route:
+                self.on_route(role, route)
+        chosen = {role: route.replica for role, route in routes.items()}
+        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, **chosen)
         try:
             async with contextlib.aclosing(self._on_a_worker(request)) as events:
                 async for event in events:
                     yield event
         finally:
-            for role, replica in routes.items():
+            for role, replica in chosen.items():
                 self.routers[role].done(replica)
 
     async def _on_a_worker(self, request: GenerationRequest):

@@ -187,6 +187,24 @@ async def serve_engines(make_draft, make_target, limits: Limits = Limits()) -> S
     return Services(draft_server, target_server)
 
 
+async def serve_sim(role: str, model: str = "", scale: float = 0.5):
+    """One simulated `role` service (model/sim_engine.py; its model named `sim-<role>` unless given), on
+    a free port, loaded: for the pools of replicas and their routing."""
+    from specd.model.loaded import folder_tokenizer
+    from specd.model.sim_engine import SimEngine, SimSettings
+
+    tokenizer = folder_tokenizer(TOKENIZER or resolve_tokenizer("draft"))[0]
+    engine = SimEngine(role, model or f"sim-{role}", tokenizer, SimSettings(scale=scale))
+    server = (
+        create_draft_server(lambda: Drafter(engine, Limits()))
+        if role == "draft"
+        else create_target_server(lambda: Verifier(engine, Limits()))
+    )
+    await server.start("127.0.0.1:0")
+    await server.load()
+    return server
+
+
 class DraftBeside(Services):
     """A draft service of its own (a server here, or a process's: anything with a port) in front of
     another Services' target: close() stops a server of this process's draft alone."""

@@ -77,3 +77,19 @@ def test_round_robin_takes_each_replica_in_turn_whatever_it_was_sent():
     assert routes[3].matched_tokens == len(SYSTEM)  # it was sent there before, and no matter
     with pytest.raises(ValueError, match="round-robin"):
         Router(["r0"], routing="random")
+
+
+def test_a_removed_replica_takes_no_new_request_and_is_forgotten_once_its_requests_end():
+    router = Router(["r0", "r1"])
+    home = router.route(prompt(1)).replica
+    router.route(prompt(2))  # affinity: the same replica, 2 requests on it
+    other = ({"r0", "r1"} - {home}).pop()
+    router.remove(home)
+    assert [router.route(prompt(i)).replica for i in range(3, 6)] == [other] * 3  # its prefix no matter
+    assert router.replicas[home].draining and router.replicas[home].load == 2 and not router.drained(home)
+    router.done(home)
+    assert not router.drained(home)
+    router.done(home)
+    assert router.drained(home) and [replica.name for replica in router.serving()] == [other]
+    router.add(home)  # back, empty
+    assert router.route(list(range(500, 600))).replica == home

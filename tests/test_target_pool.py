@@ -7,18 +7,10 @@ import asyncio
 
 import grpc
 import pytest
-from conftest import TOKENIZER, serve_engines
+from conftest import serve_sim
 
-from specd.draft_service.drafter import Drafter
-from specd.draft_service.server import create_draft_server
-from specd.model.fetch import resolve_tokenizer
-from specd.model.loaded import folder_tokenizer
-from specd.model.sim_engine import SimEngine, SimSettings
 from specd.orchestrator.server import OrchestratorServer
 from specd.proto.client import complete, make_request
-from specd.proto.limits import Limits
-from specd.target_service.server import create_target_server
-from specd.target_service.verifier import Verifier
 from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2_grpc, target_pb2_grpc
 
 SYSTEMS = ["You are a careful Python reviewer. " * 6, "Answer in French, briefly and politely. " * 6]
@@ -27,30 +19,16 @@ SYSTEMS = ["You are a careful Python reviewer. " * 6, "Answer in French, briefly
 @pytest.fixture(scope="module")
 async def pool(ray_local):
     """Two sim draft replicas, two sim target replicas, an orchestrator over both pools."""
-    tokenizer = folder_tokenizer(TOKENIZER or resolve_tokenizer("draft"))[0]
-    settings = SimSettings(scale=0.5)
-    services = await serve_engines(
-        lambda limits: SimEngine("draft", "sim-draft", tokenizer, settings),
-        lambda limits: SimEngine("target", "sim-target", tokenizer, settings),
-    )
-    second_target = create_target_server(
-        lambda: Verifier(SimEngine("target", "sim-target", tokenizer, settings), Limits())
-    )
-    second_draft = create_draft_server(lambda: Drafter(SimEngine("draft", "sim-draft", tokenizer, settings), Limits()))
-    for server in (second_target, second_draft):
-        await server.start("127.0.0.1:0")
-        await server.load()
-    targets = [f"127.0.0.1:{services.target_server.port}", f"127.0.0.1:{second_target.port}"]
-    drafts = [f"127.0.0.1:{services.draft_server.port}", f"127.0.0.1:{second_draft.port}"]
+    servers = [await serve_sim(role) for role in ("draft", "draft", "target", "target")]
+    drafts, targets = ([f"127.0.0.1:{server.port}" for server in pair] for pair in (servers[:2], servers[2:]))
     orchestrator = OrchestratorServer(",".join(drafts), ",".join(targets), workers=2)
     await orchestrator.start("127.0.0.1:0")
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{orchestrator.port}")
     yield specdecode_pb2_grpc.SpecDecodeStub(channel), targets, orchestrator, drafts
     await channel.close()
     await orchestrator.stop(0)
-    for server in (second_target, second_draft):
+    for server in servers:
         await server.stop(0)
-    await services.close()
 
 
 async def test_requests_sharing_a_system_prompt_stay_together_and_the_replicas_share_the_load(pool):
@@ -66,6 +44,9 @@ async def test_requests_sharing_a_system_prompt_stay_together_and_the_replicas_s
         router = orchestrator.pool.routers[role]
         assert router.decisions["affinity"] == 4, role
         assert all(replica.load == 0 for replica in router.replicas.values()), role
+        for reason, count in router.decisions.items():  # the metrics count what the router decided
+            labels = {"role": role, "reason": reason}
+            assert orchestrator.metrics.registry.get_sample_value("specd_routes_total", labels) == count
     by_target = {c.final.stats.target: c.final.stats.draft for c in (first, second, *rest)}
     assert set(by_target.values()) == set(drafts) and len(by_target) == 2
 

@@ -7,6 +7,38 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class ListReplicasRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ReplicaRequest(_message.Message):
+    __slots__ = ("role", "address", "drain_seconds")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    drain_seconds: float
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., drain_seconds: _Optional[float] = ...) -> None: ...
+
+class Replica(_message.Message):
+    __slots__ = ("role", "address", "in_flight", "draining")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    DRAINING_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    address: str
+    in_flight: int
+    draining: bool
+    def __init__(self, role: _Optional[str] = ..., address: _Optional[str] = ..., in_flight: _Optional[int] = ..., draining: _Optional[bool] = ...) -> None: ...
+
+class ReplicaList(_message.Message):
+    __slots__ = ("replicas",)
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    replicas: _containers.RepeatedCompositeFieldContainer[Replica]
+    def __init__(self, replicas: _Optional[_Iterable[_Union[Replica, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "prompt_token_ids", "max_new_tokens", "sampling", "stop", "draft_tokens", "ignore_eos", "drafter", "logprobs", "top_logprobs", "prompt_logprobs", "draft_ahead", "cache_salt")
     PROMPT_FIELD_NUMBER: _ClassVar[int]

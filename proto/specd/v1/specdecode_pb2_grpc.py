@@ -144,3 +144,171 @@ class SpecDecode:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ReplicasStub:
+    """/ The orchestrator's pools of target and draft replicas, changed while serving (`specd scale`).
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.List = channel.unary_unary(
+                '/specd.v1.Replicas/List',
+                request_serializer=specd_dot_v1_dot_specdecode__pb2.ListReplicasRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+                _registered_method=True)
+        self.Add = channel.unary_unary(
+                '/specd.v1.Replicas/Add',
+                request_serializer=specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+                _registered_method=True)
+        self.Remove = channel.unary_unary(
+                '/specd.v1.Replicas/Remove',
+                request_serializer=specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.SerializeToString,
+                response_deserializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+                _registered_method=True)
+
+
+class ReplicasServicer:
+    """/ The orchestrator's pools of target and draft replicas, changed while serving (`specd scale`).
+    """
+
+    def List(self, request, context):
+        """/ Every replica, with the requests on it now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Add(self, request, context):
+        """/ Route new requests to one more replica, once it serves the same model as the pool (checked first:
+        / UNAVAILABLE if it does not answer, FAILED_PRECONDITION if it serves another model or vocabulary,
+        / ALREADY_EXISTS if it is in the pool).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Remove(self, request, context):
+        """/ Route no new request to a replica, and answer once the requests on it have ended (it drained) or
+        / `drain_seconds` passed (then `draining` replicas are still listed, and their requests go on).
+        / NOT_FOUND if it is not in the pool, FAILED_PRECONDITION for the last replica of a role.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ReplicasServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'List': grpc.unary_unary_rpc_method_handler(
+                    servicer.List,
+                    request_deserializer=specd_dot_v1_dot_specdecode__pb2.ListReplicasRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.SerializeToString,
+            ),
+            'Add': grpc.unary_unary_rpc_method_handler(
+                    servicer.Add,
+                    request_deserializer=specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.SerializeToString,
+            ),
+            'Remove': grpc.unary_unary_rpc_method_handler(
+                    servicer.Remove,
+                    request_deserializer=specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.FromString,
+                    response_serializer=specd_dot_v1_dot_specdecode__pb2.ReplicaList.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'specd.v1.Replicas', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('specd.v1.Replicas', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Replicas:
+    """/ The orchestrator's pools of target and draft replicas, changed while serving (`specd scale`).
+    """
+
+    @staticmethod
+    def List(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Replicas/List',
+            specd_dot_v1_dot_specdecode__pb2.ListReplicasRequest.SerializeToString,
+            specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Add(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Replicas/Add',
+            specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.SerializeToString,
+            specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Remove(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specd.v1.Replicas/Remove',
+            specd_dot_v1_dot_specdecode__pb2.ReplicaRequest.SerializeToString,
+            specd_dot_v1_dot_specdecode__pb2.ReplicaList.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
