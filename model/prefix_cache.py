@@ -17,7 +17,10 @@ hold it; a lookup walks the new head's blocks while the chain is known and takes
 head whole. An entry is one engine snapshot of a head (one copy each way: llama.cpp keeps a
 sequence's KV in a stream of its own, which cannot be shared in place), and only leaves are kept: an
 entry whose tokens a new one of the same salt starts with is dropped for it (a chat's turn replaces
-the last turn's).
+the last turn's), and so is one that parts from the new one only in its last whole block and tail
+(another question after the same system prompt or document): every prompt that found the old one's
+blocks finds all but that last one in the new, and the store holds one copy of a shared context,
+not one per request (the same prompt sent again recomputes at most a block and its tail).
 
 Bounded: entries are evicted least recently used first under `budget_tokens`, counted as the KV
 positions each copy holds, not only those it may restore (a llama.cpp copy is its whole sequence: the
@@ -69,6 +72,19 @@ class Entry:
     def held_tokens(self) -> int:
         """What it counts against the budget: the KV positions its copy holds, its tokens at least."""
         return max(len(self.tokens), self.snapshot.held_tokens)
+
+
+def _replaced(old: Entry, new: Entry) -> bool:
+    """Whether `new` makes `old` not worth its room: `old` is a prefix of it (a leaf no more), or they
+    part only in `old`'s last whole block and its tail (the same context, another question)."""
+    if len(old.tokens) <= len(new.tokens) and new.tokens[: len(old.tokens)] == old.tokens:
+        return True
+    shared = 0
+    for mine, theirs in zip(old.chain[: old.blocks], new.chain[: new.blocks]):
+        if mine != theirs:
+            break
+        shared += 1
+    return shared >= 1 and shared >= old.blocks - 1
 
 
 def chain_hashes(salt: str, tokens: list[int] | tuple[int, ...], blocks: int) -> list[bytes]:
@@ -150,9 +166,8 @@ class PrefixCache:
         the least recently used until the budget holds."""
         entry = Entry(salt, tuple(tokens), snapshot, entry_hashes(salt, tokens))
         for entry_id in list(self.index.get(entry.chain[0], ())):  # those sharing its first block (or head)
-            other = self.entries[entry_id].tokens
-            if len(other) <= len(entry.tokens) and entry.tokens[: len(other)] == other:
-                self._drop(entry_id)  # a prefix of this one: a leaf no more
+            if _replaced(self.entries[entry_id], entry):
+                self._drop(entry_id)
         entry_id, self._next_id = self._next_id, self._next_id + 1
         self.entries[entry_id] = entry
         for digest in entry.chain:

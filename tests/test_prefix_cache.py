@@ -67,6 +67,22 @@ def test_only_leaves_are_kept_a_longer_prefix_replaces_the_one_it_extends():
     assert cache.stats().entries == 2
 
 
+def test_another_question_after_the_same_context_replaces_the_last_one_only_in_its_last_block():
+    """Many users over one system prompt: each request's head is the context and its own question.
+    The store keeps one copy of the context, not one per request: an entry that parts from a new one
+    only in its last whole block and tail is dropped for it (its prompt again finds all but that block)."""
+    cache = PrefixCache(budget_tokens=20 * B)
+    context = tokens(5, 4 * B - 10)  # the questions start 10 tokens before the end of block 4
+    first, second = context + tokens(6, 40), context + tokens(7, 40)
+    cache.insert("", first, Copy(10))
+    cache.insert("", second, Copy(10))
+    assert cache.stats().entries == 1 and cache.lookup("", second, most=len(second))[1] == len(second)
+    assert cache.lookup("", first, most=len(first))[1] == 3 * B  # the context's whole blocks
+    elsewhere = context[: 2 * B] + tokens(8, 3 * B)  # parts two blocks before its end: both kept
+    cache.insert("", elsewhere, Copy(10))
+    assert cache.stats().entries == 2 and cache.lookup("", second, most=len(second))[1] == len(second)
+
+
 def test_a_head_that_ends_inside_a_block_is_found_whole_and_only_as_itself():
     """Issue 49, short prompts: the tail after a head's last whole block is restorable only by a call
     whose head is exactly those tokens (a fresh prefill of it makes the same last call); under a
