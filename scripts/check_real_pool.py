@@ -24,13 +24,13 @@ from specd.proto.client import complete, make_request
 from specd.v1 import common_pb2, specdecode_pb2_grpc
 
 
-async def check(server: str, prompts: list[str], max_new_tokens: int) -> list[dict]:
+async def check(server: str, prompts: list[str], max_new_tokens: int, speculation: dict) -> list[dict]:
     results = []
     async with grpc.aio.insecure_channel(server) as channel:
         client = specdecode_pb2_grpc.SpecDecodeStub(channel)
         for index, prompt in enumerate(prompts):
             settings = dict(max_new_tokens=max_new_tokens, ignore_eos=True)
-            spec = await complete(client, make_request(prompt, cache_salt="spec", **settings))
+            spec = await complete(client, make_request(prompt, cache_salt="spec", **speculation, **settings))
             off = await complete(client, make_request(prompt, draft_tokens=0, cache_salt="off", **settings))
             result = {
                 "prompt": index,
@@ -53,9 +53,13 @@ def main() -> int:
     parser.add_argument("--prompts", type=Path, default=DEFAULT_PROMPTS)
     parser.add_argument("--count", type=int, default=12, help="the file's first N prompts")
     parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--draft-tokens", type=int, default=None, help="a fixed K (default: the server's choice)")
+    parser.add_argument("--drafter", default="", help="model, ngram, suffix or hybrid (default: the server's)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    results, info = asyncio.run(check(args.server, load_prompts(args.prompts)[: args.count], args.max_new_tokens))
+    speculation = dict(draft_tokens=args.draft_tokens, drafter=args.drafter)
+    prompts = load_prompts(args.prompts)[: args.count]
+    results, info = asyncio.run(check(args.server, prompts, args.max_new_tokens, speculation))
     served = {replica for result in results for replica in result["replicas"]}
     report = {
         "results": results,
@@ -63,6 +67,7 @@ def main() -> int:
         "same_tokens": sum(result["same_tokens"] for result in results),
         "across_replicas": sum(len(set(r["replicas"])) == 2 for r in results),
         "prompts": len(results),
+        "speculation": speculation,
         "target_model": info.target.model,
         "draft_model": info.draft.model,
         "machine": machine_info(),
