@@ -68,17 +68,18 @@ def add_parser(verbs) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="target services on this machine (replica i on --target-port + 100 i), one orchestrator routing each "
-        "new request to one of them by load and by the prefixes it was sent (orchestrator/router.py); not yet "
-        "with --ray-address. With --engine sim they test routing on a small machine",
+        help="target services (replica i on --target-port + 100 i; with --ray-address each an actor Ray places, "
+        "on a GPU of its own where there are GPUs), each orchestrator routing every new request to one of them "
+        "by load and by the prefixes it was sent (orchestrator/router.py). With --engine sim they test routing "
+        "on a small machine",
     )
     parser.add_argument(
         "--draft-replicas",
         type=int,
         default=1,
         metavar="M",
-        help="draft services on this machine (replica i on --draft-port + 100 i), routed alike: each new request "
-        "whose drafter asks the draft goes to one; not yet with --ray-address",
+        help="draft services (replica i on --draft-port + 100 i), routed alike: each new request whose drafter "
+        "asks the draft goes to one",
     )
     add_drafter_flag(parser, "the orchestrator's default (ngram or suffix: the stack runs no draft service); ")
     add_draft_ahead_flag(parser)
@@ -170,12 +171,8 @@ def run(args: argparse.Namespace) -> int:
             "(or start each component with `specd serve` and its flags)"
         )
     for role in ("target", "draft"):
-        if (count := getattr(args, f"{role}_replicas")) < 1:
+        if getattr(args, f"{role}_replicas") < 1:
             raise UserError(f"--{role}-replicas must be >= 1")
-        if args.ray_address and count != 1:
-            raise UserError(f"--{role}-replicas is for a stack on this machine; a cluster has one {role} so far")
-    if args.ray_address and args.routing != "prefix":
-        raise UserError("--routing places requests on a pool of replicas, for a stack on this machine so far")
     if args.ray_address and args.draft_ahead != "auto":
         raise UserError("--draft-ahead is for a stack on this machine; on a cluster a request sets draft_ahead")
     if args.ray_address and (args.draft_threads or args.target_threads):
@@ -220,6 +217,9 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_metrics_port=args.draft_metrics_port,
             target_metrics_port=args.target_metrics_port,
             replicas=args.replicas,
+            target_replicas=args.target_replicas,
+            draft_replicas=args.draft_replicas,
+            routing=args.routing,
             workers=args.workers,
             draft_address=args.draft_address,
             target_address=args.target_address,

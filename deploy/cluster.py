@@ -29,10 +29,12 @@ import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from specd.deploy.local import REPLICA_PORT_STEP
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
+from specd.orchestrator.router import ROUTINGS
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 
@@ -78,6 +80,9 @@ class ClusterConfig:
     draft_metrics_port: int | None = 9461
     target_metrics_port: int | None = 9462
     replicas: int = 1  # orchestrator replicas
+    target_replicas: int = 1  # target services, each an actor Ray places (its own GPU where there are GPUs)
+    draft_replicas: int = 1  # draft services (with a drafter that asks the draft)
+    routing: str = ROUTINGS[0]  # how each orchestrator places new requests on the pools (router.py)
     workers: int = 2  # generation actors per replica
     draft_address: str | None = None  # what the orchestrator dials for the draft (default: its node:port)
     target_address: str | None = None  # e.g. a proxy or a Kubernetes Service in front of the target
@@ -223,17 +228,20 @@ class ClusterStack:
             ray.init(address=config.ray_address, logging_level="WARNING")
         resources = ray.cluster_resources()
         self.say(f"Ray cluster: {len(ray.nodes())} nodes, resources {_summary(resources)}")
-        with_draft = config.drafter not in LOOKUP_ONLY  # the lookup drafters never call a draft
-        draft, target = await asyncio.gather(
-            self._start_service("draft", config.draft_model, resources) if with_draft else _none(),
-            self._start_service("target", config.target_model, resources),
+        drafts = config.draft_replicas if config.drafter not in LOOKUP_ONLY else 0  # lookups never call a draft
+        started = await asyncio.gather(
+            *(self._start_service("draft", config.draft_model, resources, i) for i in range(drafts)),
+            *(self._start_service("target", config.target_model, resources, i) for i in range(config.target_replicas)),
         )
-        draft_address = (config.draft_address or draft.address) if draft else None
+        pools = {"draft": started[:drafts], "target": started[drafts:]}  # each orchestrator routes over them
+        draft_address = (config.draft_address or _pool(pools["draft"])) if drafts else None
         for i in range(config.replicas):
-            await self._start_orchestrator(i, draft_address, config.target_address or target.address, resources)
+            await self._start_orchestrator(i, draft_address, config.target_address or _pool(pools["target"]), resources)
         return self
 
-    async def _start_service(self, role: str, model: str, resources: dict) -> Deployed:
+    async def _start_service(self, role: str, model: str, resources: dict, replica: int = 0) -> Deployed:
+        """Replica `replica` of `role`: an actor of its own, on the role's ports + REPLICA_PORT_STEP × replica
+        (two replicas Ray puts on one node must not share a port)."""
         config = self.config
         if role == "draft":
             port, metrics_port, quantize = config.draft_port, config.draft_metrics_port, config.draft_quantize
@@ -243,15 +251,16 @@ class ClusterStack:
             device, graphs, engine = config.target_device, config.target_cuda_graphs, config.target_engine
             gpus = config.target_gpus
         options = placement(role, resources, gpus)
-        actor = ModelServiceActor.options(name=f"specd-{role}", max_restarts=-1, **options).remote(
+        name = f"{role}-{replica}" if replica else role
+        actor = ModelServiceActor.options(name=f"specd-{name}", max_restarts=-1, **options).remote(
             role,
             model,
             config.dtype,
             config.threads,
             quantize,
             config.limits,
-            port,
-            metrics_port,
+            port + REPLICA_PORT_STEP * replica,
+            _plus(metrics_port, REPLICA_PORT_STEP * replica),
             device,
             graphs,
             engine,
@@ -259,10 +268,10 @@ class ClusterStack:
             config.otlp_endpoint,
             exactness=config.exactness,
         )
-        deployed = await self._locate(Deployed(role, actor))
+        deployed = await self._locate(Deployed(name, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
         where = f"pid {deployed.pid}, --device {device}{gpu_note}, --engine {engine}"
-        self.say(f"{role}: loading {model} on {deployed.address} ({where})")
+        self.say(f"{name}: loading {model} on {deployed.address} ({where})")
         await self._until_serving(deployed, timeout_s=900)
         return deployed
 
@@ -291,7 +300,7 @@ class ClusterStack:
     async def _until_serving(self, deployed: Deployed, timeout_s: float) -> None:
         waiting = asyncio.create_task(wait_until_serving(deployed.address, timeout_s, self.config.service_security))
         while not waiting.done():
-            if deployed.name in ("draft", "target") and (why := await deployed.actor.failure.remote()):
+            if deployed.name.startswith(("draft", "target")) and (why := await deployed.actor.failure.remote()):
                 waiting.cancel()
                 raise RuntimeError(f"the {deployed.name} service failed to start: {why}")
             await asyncio.wait({waiting}, timeout=1.0)
@@ -338,11 +347,13 @@ def orchestrator_options(config: ClusterConfig) -> dict:
         max_concurrent_requests=config.max_concurrent_requests,
         max_prompt_tokens=config.max_prompt_tokens,
         otlp_endpoint=config.otlp_endpoint,
+        routing=config.routing,
     )
 
 
-async def _none() -> None:
-    """A service not started."""
+def _pool(deployed: list[Deployed]) -> str:
+    """What an orchestrator dials for a role's replicas: their addresses, comma-separated."""
+    return ",".join(replica.address for replica in deployed)
 
 
 def _plus(port: int | None, index: int) -> int | None:

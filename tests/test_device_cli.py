@@ -210,6 +210,60 @@ def test_up_on_a_cluster_hands_each_service_actor_its_engine(monkeypatch):
     assert started["target"][-5:-2] == ("cpu", "auto", "transformers")
 
 
+def test_a_cluster_pool_gives_each_replica_an_actor_and_ports_of_its_own(monkeypatch):
+    """`specd up --ray-address auto --target-replicas 3 --draft-replicas 2`: an actor per replica, named
+    and on ports apart (replica i: the role's ports + 100 i), and every orchestrator replica dials the
+    whole pools (Ray faked: each actor answers `where` at once)."""
+    from specd.cli.up import run_on_cluster
+
+    spawned, dialled = [], []
+
+    class Actor:
+        name = ""
+
+        @classmethod
+        def options(cls, name, **options):
+            cls.name = name
+            return cls
+
+        @classmethod
+        def remote(cls, role, model, dtype, threads, quantize, limits, port, metrics_port, *rest, **keywords):
+            spawned.append((cls.name, port, metrics_port))
+            return cls
+
+    async def locate(self, deployed):
+        deployed.address = f"node:{spawned[-1][1]}"
+        self.deployed.append(deployed)
+        return deployed
+
+    async def serving(self, deployed, timeout_s):
+        return None
+
+    async def orchestrator(self, index, draft_address, target_address, resources):
+        dialled.append((draft_address, target_address))
+        raise Spawned("orchestrator")
+
+    monkeypatch.setattr(cluster, "ModelServiceActor", Actor)
+    monkeypatch.setattr(cluster.ClusterStack, "_locate", locate)
+    monkeypatch.setattr(cluster.ClusterStack, "_until_serving", serving)
+    monkeypatch.setattr(cluster.ClusterStack, "_start_orchestrator", orchestrator)
+    monkeypatch.setattr(cluster.ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(cluster.ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(cluster.ray, "nodes", lambda: [{}])
+    monkeypatch.setattr(cluster.ClusterStack, "stop", lambda self: None)
+    args = stack_args("--ray-address", "auto", "--target-replicas", "3", "--draft-replicas", "2")
+    with pytest.raises(Spawned):
+        run_on_cluster(args, check_stack_devices(args, here=False))
+    assert sorted(spawned) == [
+        ("specd-draft", 50061, 9461),
+        ("specd-draft-1", 50161, 9561),
+        ("specd-target", 50062, 9462),
+        ("specd-target-1", 50162, 9562),
+        ("specd-target-2", 50262, 9662),
+    ]
+    assert dialled == [("node:50061,node:50161", "node:50062,node:50162,node:50262")]
+
+
 # ---------------------------------------------------------------- real processes: Info says where each computes
 
 
