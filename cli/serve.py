@@ -295,7 +295,9 @@ def add_draft_ahead_flag(parser) -> None:
 
 
 def add_routing_flag(parser) -> None:
-    """--routing: how the orchestrator places new requests on a pool of replicas (router.py)."""
+    """--routing: how the orchestrator places new requests on a pool of replicas (router.py); and
+    --migration-limit: how often a request may move off a failed target replica (migration.py)."""
+    from specd.orchestrator.migration import MIGRATION_LIMIT
     from specd.orchestrator.router import ROUTINGS
 
     parser.add_argument(
@@ -304,6 +306,14 @@ def add_routing_flag(parser) -> None:
         default=ROUTINGS[0],
         help="with several target or draft replicas, how each new request is placed: prefix (default: by the "
         "prefixes each replica was sent, inside a load bound) or round-robin (in turn, the baseline)",
+    )
+    parser.add_argument(
+        "--migration-limit",
+        type=int,
+        default=MIGRATION_LIMIT,
+        metavar="N",
+        help=f"with several target replicas, a request whose replica fails moves to another and goes on exactly "
+        f"where it was, up to N times (default {MIGRATION_LIMIT}; 0: it fails UNAVAILABLE)",
     )
 
 
@@ -402,6 +412,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
             drafter=args.drafter,
             draft_ahead=args.draft_ahead,
             routing=args.routing,
+            migration_limit=args.migration_limit,
             policy=policy,
             security=security,
             service_security=service_security,

@@ -33,6 +33,7 @@ from specd.deploy.local import REPLICA_PORT_STEP
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
+from specd.orchestrator.migration import MIGRATION_LIMIT
 from specd.orchestrator.remote import wait_until_serving
 from specd.orchestrator.router import ROUTINGS
 from specd.proto.auth import ClientSecurity, ServerSecurity
@@ -83,6 +84,7 @@ class ClusterConfig:
     target_replicas: int = 1  # target services, each an actor Ray places (its own GPU where there are GPUs)
     draft_replicas: int = 1  # draft services (with a drafter that asks the draft)
     routing: str = ROUTINGS[0]  # how each orchestrator places new requests on the pools (router.py)
+    migration_limit: int = MIGRATION_LIMIT  # moves per request off a failed target replica (migration.py)
     workers: int = 2  # generation actors per replica
     draft_address: str | None = None  # what the orchestrator dials for the draft (default: its node:port)
     target_address: str | None = None  # e.g. a proxy or a Kubernetes Service in front of the target
@@ -348,6 +350,7 @@ def orchestrator_options(config: ClusterConfig) -> dict:
         max_prompt_tokens=config.max_prompt_tokens,
         otlp_endpoint=config.otlp_endpoint,
         routing=config.routing,
+        migration_limit=config.migration_limit,
     )
 
 

@@ -254,6 +254,7 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "drafter": stats.drafter,
         "target": stats.target,
         "draft": stats.draft,
+        "migrations": stats.migrations,
         "lookup_steps": stats.lookup_steps,
         "lookup_drafted": stats.lookup_drafted,
         "lookup_accepted": stats.lookup_accepted,

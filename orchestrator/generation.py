@@ -69,7 +69,8 @@ class Generation:
     ):
         self.request = request
         self.trace_parent = trace_parent  # the caller's trace context (tracing.parent); None: a trace of its own
-        self.committed = list(request.prompt_ids)  # prompt + emitted output: the truth
+        # prompt + emitted output: the truth (after what an earlier attempt streamed, where it was moved)
+        self.committed = list(request.prompt_ids) + list(request.resumed)
         if draft_stub is None and request.drafter not in LOOKUP_ONLY:
             raise ValueError(f"drafter {request.drafter!r} needs a draft service, and there is none (core.py)")
         session_id = request.session_id or uuid.uuid4().hex
@@ -77,6 +78,8 @@ class Generation:
         salt = request.cache_salt  # the services' prefix caches: this tenant's prefixes only
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, False, salt)
         self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy, salt=salt)
+        if request.target_retry_s is not None:  # another replica can take it over: fail over sooner
+            self.target.retry_window_s = min(self.target.retry_window_s, request.target_retry_s)
         self.sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p,
@@ -89,6 +92,7 @@ class Generation:
             prompt_tokens=len(request.prompt_ids),  # where the output begins, for the penalties
         )
         self.output = OutputText(tokenizer, request.stop)
+        self.output.add(list(request.resumed))  # streamed by the attempt before: its text is out already
         self.eos_ids = set() if request.ignore_eos else eos_ids
         self.costs = costs or ServiceCosts()  # shared by a worker's requests
         adaptive = request.draft_tokens is None

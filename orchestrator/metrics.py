@@ -39,6 +39,11 @@ class OrchestratorMetrics:
             ["role", "reason"],
             registry=registry,
         )
+        self.migrations = Counter(
+            "specd_migrations",
+            "Requests moved to another target replica after theirs failed (migration.py)",
+            registry=registry,
+        )
         self.route_matched_tokens = Counter(
             "specd_route_matched_tokens",
             "Prompt tokens the chosen replica was sent before, by role (what its prefix cache likely holds)",
@@ -137,6 +142,10 @@ class OrchestratorMetrics:
         """A new request placed on a replica of the `role` pool (worker.py, router.py)."""
         self.routes.labels(role, route.reason).inc()
         self.route_matched_tokens.labels(role).inc(route.matched_tokens)
+
+    def migrated(self) -> None:
+        """A request moved off a failed target replica."""
+        self.migrations.inc()
 
     def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
         """A request refused before it started."""

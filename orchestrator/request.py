@@ -38,6 +38,10 @@ class GenerationRequest:
     cache_salt: str = ""  # the tenant's: every cursor carries it, so the services reuse only its prefixes
     target: str = ""  # the target replica the pool routed it to (router.py); "": the only one
     draft: str = ""  # the draft replica the pool routed it to; "": the only one, or none asked
+    # Output tokens an earlier attempt already streamed (the pool moved the request off a failed target
+    # replica, migration.py): this attempt continues after them, and streams only what follows.
+    resumed: list[int] = field(default_factory=list)
+    target_retry_s: float | None = None  # how long to retry a failing target before failing; None: the policy's
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -75,6 +79,7 @@ class Failed:
 
     code: str
     message: str
+    service: str = ""  # the model service that failed ("target" or "draft"), where one did
 
     @property
     def retry_after_s(self) -> float | None:
@@ -106,6 +111,7 @@ class Stats:
     time_to_first_token_s: float = 0.0
     completion_tokens: int = 0
     resyncs: int = 0
+    migrations: int = 0  # times the pool moved the request to another target replica (migration.py)
     ahead_steps: int = 0  # steps that drafted the next step ahead during their verify (ahead.py)
     ahead_ready: int = 0  # steps that took guesses drafted ahead (no Propose to wait for)
     ahead_late: int = 0  # of those, the ones whose guesses came after the verdict (the step waited)

@@ -47,6 +47,7 @@ class Replica:
     load: int = 0  # requests placed here and not yet done
     blocks: OrderedDict = field(default_factory=OrderedDict)  # key -> None, least recently routed first
     draining: bool = False  # removed: no new request comes; forgotten when its load is done
+    down: bool = False  # failed: no new request comes until it serves again (migration.py)
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,18 @@ class Router:
 
     def serving(self) -> list[Replica]:
         """The replicas that take new requests."""
-        return [replica for replica in self.replicas.values() if not replica.draining]
+        return [replica for replica in self.replicas.values() if not (replica.draining or replica.down)]
+
+    def failed(self, name: str) -> None:
+        """A replica failed a request: no new request goes there until `back`."""
+        if (replica := self.replicas.get(name)) is not None:
+            replica.down = True
+
+    def back(self, name: str) -> None:
+        """A failed replica serves again: it rejoins empty (a restart lost its prefix cache)."""
+        if (replica := self.replicas.get(name)) is not None and replica.down:
+            replica.down = False
+            replica.blocks.clear()
 
     def route(self, tokens: list[int], salt: str = "") -> Route:
         """The replica for a new request with these prompt tokens; counts it there until `done`."""

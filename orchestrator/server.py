@@ -13,6 +13,7 @@ from specd.orchestrator.core import BadRequest, Core, stats_proto
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
+from specd.orchestrator.migration import MIGRATION_LIMIT
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
 from specd.orchestrator.request import Delta, Failed, Finished
@@ -106,6 +107,7 @@ class OrchestratorServer:
         otlp_endpoint: str | None = None,
         draft_ahead: str = DEFAULT_DRAFT_AHEAD,
         routing: str = ROUTINGS[0],
+        migration_limit: int = MIGRATION_LIMIT,
     ):
         if not draft_address and drafter not in LOOKUP_ONLY:
             raise ValueError(
@@ -123,6 +125,7 @@ class OrchestratorServer:
         self.drafter = drafter  # for requests that leave it empty (lookup.py)
         self.draft_ahead = draft_ahead  # for requests that leave it empty (ahead.py)
         self.routing = routing  # how the pools of replicas place new requests (router.py)
+        self.migration_limit = migration_limit  # moves per request off failed target replicas (migration.py)
         self.otlp_endpoint = otlp_endpoint  # where the Ray workers send their spans (proto/tracing.py); None: off
         self.health = health.aio.HealthServicer()
         self.server: grpc.aio.Server | None = None
@@ -147,7 +150,8 @@ class OrchestratorServer:
             max_requests=self.limits[0],
             otlp_endpoint=self.otlp_endpoint,
             routing=self.routing,
-            on_route=self.metrics.routed,
+            metrics=self.metrics,
+            migration_limit=self.migration_limit,
         )
         await self.pool.ready()
         self.server = grpc.aio.server(interceptors=self.security.interceptors())

@@ -19,8 +19,8 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import logging
 import uuid
-from collections.abc import Callable
 
 import grpc
 import ray
@@ -31,13 +31,16 @@ from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import Generation
 from specd.orchestrator.lookup import LOOKUP_ONLY
+from specd.orchestrator.migration import FAILOVER_S, MIGRATION_LIMIT, Progress, Rejoin
 from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of
-from specd.orchestrator.request import Failed, GenerationRequest
-from specd.orchestrator.router import ROUTINGS, Route, Router
+from specd.orchestrator.request import Failed, Finished, GenerationRequest
+from specd.orchestrator.router import ROUTINGS, Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
+
+log = logging.getLogger("specd.orchestrator")
 
 
 class GenerationWorker:
@@ -90,7 +93,7 @@ class GenerationWorker:
             async for event in generation.run():
                 yield event
         except ServiceFailed as failure:
-            yield Failed(failure.code.name, str(failure))
+            yield Failed(failure.code.name, str(failure), failure.service)
         except grpc.aio.AioRpcError as error:
             yield Failed(error.code().name, f"{error.details()} (from a model service)")
 
@@ -141,7 +144,8 @@ class WorkerPool:
         max_requests: int | None = None,
         otlp_endpoint: str | None = None,
         routing: str = ROUTINGS[0],
-        on_route: Callable[[str, Route], None] | None = None,
+        metrics=None,
+        migration_limit: int = MIGRATION_LIMIT,
     ):
         self.actors = [
             RemoteWorker.options(max_concurrency=concurrency, max_restarts=-1, num_cpus=0).remote(
@@ -157,7 +161,9 @@ class WorkerPool:
         self.routers = {"target": Router(replicas(target_address), routing=routing)}
         if draft_address:
             self.routers["draft"] = Router(replicas(draft_address), routing=routing)
-        self.on_route = on_route  # told each (role, route): the metrics count them
+        self.metrics = metrics  # told each route and each move (OrchestratorMetrics: routed, migrated)
+        self.migration_limit = migration_limit  # moves per request off failed target replicas (migration.py)
+        self.rejoin = Rejoin(security)  # failed replicas, until they serve again
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
@@ -172,21 +178,64 @@ class WorkerPool:
                 ),
             )
             return
+        progress = Progress(request, self.migration_limit)
+        while True:
+            try:
+                attempt = self._routed(request, progress)
+            except LookupError:
+                yield Failed("UNAVAILABLE", "no target replica serves now (each failed, and none is back yet): retry")
+                return
+            moved = None
+            try:
+                async with contextlib.aclosing(self._on_a_worker(attempt)) as events:
+                    async for event in events:
+                        if isinstance(event, Failed) and progress.moves_on(event, self._others(attempt.target)):
+                            moved = event
+                            break
+                        if isinstance(event, Finished):
+                            event.stats.migrations = progress.moves
+                        progress.streamed(event)
+                        yield event
+            finally:
+                for role in self.routers:
+                    self.routers[role].done(getattr(attempt, role))
+            if moved is None:
+                return
+            progress.moves += 1
+            self.rejoin.failed(self.routers["target"], attempt.target)
+            log.warning(
+                "target replica %s failed a request after %d output tokens (%s): moving it, move %d of %d",
+                attempt.target,
+                len(progress.tokens),
+                moved.message,
+                progress.moves,
+                progress.limit,
+            )
+            if self.metrics:
+                self.metrics.migrated()
+
+    def _routed(self, request: GenerationRequest, progress: Progress) -> GenerationRequest:
+        """This attempt of the request, on the replicas the routers choose now (LookupError: no target
+        serves): a session id of its own, and what earlier attempts streamed."""
         roles = [role for role in self.routers if role == "target" or request.drafter not in LOOKUP_ONLY]
         routes = {role: self.routers[role].route(request.prompt_ids, request.cache_salt) for role in roles}
         for role, route in routes.items():
             tracing.annotate(**{role: route.replica, f"{role}_route": route.reason})  # the call's span
-            if self.on_route:
-                self.on_route(role, route)
-        chosen = {role: route.replica for role, route in routes.items()}
-        request = dataclasses.replace(request, session_id=request.session_id or uuid.uuid4().hex, **chosen)
-        try:
-            async with contextlib.aclosing(self._on_a_worker(request)) as events:
-                async for event in events:
-                    yield event
-        finally:
-            for role, replica in chosen.items():
-                self.routers[role].done(replica)
+            if self.metrics:
+                self.metrics.routed(role, route)
+        first = not progress.moves
+        return dataclasses.replace(
+            request,
+            session_id=(request.session_id if first else "") or uuid.uuid4().hex,
+            resumed=list(progress.tokens),
+            # another replica can take it over: a failing target is not waited for the policy's 30 s
+            target_retry_s=FAILOVER_S if self.migration_limit and self._others(routes["target"].replica) else None,
+            **{role: route.replica for role, route in routes.items()},
+        )
+
+    def _others(self, target: str) -> bool:
+        """Whether a target replica other than `target` takes new requests."""
+        return any(replica.name != target for replica in self.routers["target"].serving())
 
     async def _on_a_worker(self, request: GenerationRequest):
         """The request's events from the least busy worker, another if that one dies before it starts."""
@@ -275,5 +324,6 @@ class WorkerPool:
         await asyncio.gather(*calls, return_exceptions=True)
 
     def shutdown(self) -> None:
+        self.rejoin.close()
         for actor in self.actors:
             ray.kill(actor)

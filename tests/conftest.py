@@ -187,9 +187,9 @@ async def serve_engines(make_draft, make_target, limits: Limits = Limits()) -> S
     return Services(draft_server, target_server)
 
 
-async def serve_sim(role: str, model: str = "", scale: float = 0.5):
+async def serve_sim(role: str, model: str = "", scale: float = 0.5, port: int = 0):
     """One simulated `role` service (model/sim_engine.py; its model named `sim-<role>` unless given), on
-    a free port, loaded: for the pools of replicas and their routing."""
+    `port` (0: a free one), loaded: for the pools of replicas and their routing."""
     from specd.model.loaded import folder_tokenizer
     from specd.model.sim_engine import SimEngine, SimSettings
 
@@ -200,7 +200,7 @@ async def serve_sim(role: str, model: str = "", scale: float = 0.5):
         if role == "draft"
         else create_target_server(lambda: Verifier(engine, Limits()))
     )
-    await server.start("127.0.0.1:0")
+    await server.start(f"127.0.0.1:{port}")
     await server.load()
     return server
 

@@ -1,0 +1,83 @@
+"""Moving a request off a failed target replica (issue 40), as NVIDIA Dynamo's `--migration-limit`
+does it: the orchestrator holds every token a request has streamed, so when its target replica fails
+(UNAVAILABLE past a short retry: dead, cut off, restarting) the pool sends it again to another
+serving replica with those tokens (`GenerationRequest.resumed`): a new session there prefills the
+prompt and the output so far (from the prefix cache where that replica has the prompt) and the
+generation goes on from the next position. The client's stream just continues. Exact, greedy or
+sampled: the target decides every token, and its sampling draws are keyed by the seed and the
+position (docs/architecture.md §3), so the moved request emits the tokens it would have emitted.
+
+`Progress`, one per request: the tokens streamed so far and the moves made, and whether a failure
+moves it (`moves_on`): a target's UNAVAILABLE, fewer than `limit` moves made, another replica serving,
+time left. `Rejoin`, one per pool: a replica that failed takes no new request until its health says
+SERVING again; then it rejoins, empty.
+"""
+
+import asyncio
+import contextlib
+import logging
+import time
+
+from specd.orchestrator.remote import wait_until_serving
+from specd.orchestrator.request import Delta, Failed, GenerationRequest
+from specd.orchestrator.router import Router
+from specd.proto.auth import ClientSecurity
+
+MIGRATION_LIMIT = 3  # moves per request (--migration-limit); 0: a failed target fails its requests
+FAILOVER_S = 1.0  # where another replica serves, how long a failing target is retried before the request moves
+REJOIN_CHECK_S = 3600.0  # one wait for a failed replica's SERVING; then the next
+
+log = logging.getLogger("specd.orchestrator")
+
+
+class Progress:
+    """One request across its attempts: what it streamed, and how often it moved."""
+
+    def __init__(self, request: GenerationRequest, limit: int = MIGRATION_LIMIT):
+        self.request = request
+        self.limit = limit
+        self.tokens: list[int] = []  # output tokens streamed to the client so far
+        self.moves = 0
+
+    def streamed(self, event) -> None:
+        if isinstance(event, Delta):
+            self.tokens.extend(event.token_ids)
+
+    def moves_on(self, event: Failed, others: bool) -> bool:
+        """Whether this failure moves the request to another target replica (`others`: one serves)."""
+        deadline = self.request.deadline
+        return (
+            event.service == "target"
+            and event.code == "UNAVAILABLE"
+            and self.moves < self.limit
+            and others
+            and (deadline is None or deadline > time.time())
+        )
+
+
+class Rejoin:
+    """Failed replicas out of their router until they serve again."""
+
+    def __init__(self, security: ClientSecurity = ClientSecurity()):
+        self.security = security
+        self.waiting: dict[str, asyncio.Task] = {}
+
+    def failed(self, router: Router, name: str) -> None:
+        router.failed(name)
+        if name not in self.waiting:
+            self.waiting[name] = asyncio.create_task(self._rejoin(router, name))
+
+    async def _rejoin(self, router: Router, name: str) -> None:
+        try:
+            while True:
+                with contextlib.suppress(TimeoutError):
+                    await wait_until_serving(name, REJOIN_CHECK_S, self.security)
+                    router.back(name)
+                    log.info("replica %s serves again: it rejoins the pool", name)
+                    return
+        finally:
+            self.waiting.pop(name, None)
+
+    def close(self) -> None:
+        for task in list(self.waiting.values()):
+            task.cancel()
