@@ -131,8 +131,10 @@ async def live_sessions(address: str) -> int:
 
 
 async def test_seeded_sampled_requests_moved_off_a_killed_replica_give_the_fault_free_tokens(tiny_loaded, ray_local):
-    """Real (tiny) models, temperature 1 with seeds: the target's draws are keyed by seed and position,
-    so a request moved mid-stream to another replica samples the very tokens it would have."""
+    """Real (tiny) models, temperature 1 with seeds, speculation off: the target's draws are keyed by
+    seed and position, so a request moved mid-stream to another replica samples the very tokens it
+    would have. (Speculating, which draws are made depends on the guesses and the K of each step, and
+    a moved request's first step is the target's alone: the distribution stays exact, the sample may not.)"""
     from specd.model.transformers_engine import TransformersEngine
     from specd.proto.limits import Limits
     from specd.target_service.server import create_target_server
@@ -153,7 +155,7 @@ async def test_seeded_sampled_requests_moved_off_a_killed_replica_give_the_fault
             client = specdecode_pb2_grpc.SpecDecodeStub(channel)
 
             async def sampled(seed: int):
-                request = make_request(prompt(seed), 96, temperature=1.0, seed=seed, ignore_eos=True)
+                request = make_request(prompt(seed), 96, temperature=1.0, seed=seed, ignore_eos=True, draft_tokens=0)
                 return await complete(client, request)
 
             clean = await asyncio.gather(*(sampled(seed) for seed in range(8)))

@@ -1,0 +1,137 @@
+"""Issue 40's chaos check: a running stack with a pool of target replicas (e.g. `specd up --engine sim
+--draft-engine sim --target-replicas 4`), greedy requests at STREAMS streams, run once without a fault
+and once with one target replica's process hit by SIGKILL mid-run. Per fault: completed, failed,
+wrong tokens (outputs that differ from the fault-free run's), sessions left on the surviving
+replicas, requests moved, and the end-to-end latency of the moved requests against the others.
+
+    .venv/bin/python scripts/measure_migration.py --server 127.0.0.1:50051 \\
+        --targets 127.0.0.1:50063,127.0.0.1:50163,127.0.0.1:50263,127.0.0.1:50363 \\
+        --out docs/results/migration_sim_zen5.json
+
+The victim is the replica with the most requests on it a moment after the faulted run starts
+(`specd.v1.Replicas` List); its process is found by its --port (pgrep).
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from specd.bench.loadtest import machine_info
+from specd.proto.client import complete, make_request
+from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
+
+
+async def run(client, count: int, tokens: int, streams: int, tag: str) -> list[dict]:
+    queue = list(range(count))[::-1]
+    results: list[dict] = [{} for _ in range(count)]
+
+    async def stream() -> None:
+        while queue:
+            number = queue.pop()
+            started = time.perf_counter()
+            request = make_request(f"# {tag} request {number}\ndef handler_{number}(event):", tokens, ignore_eos=True)
+            try:
+                reply = await complete(client, request)
+                results[number] = {
+                    "tokens": list(reply.token_ids),
+                    "migrations": reply.final.stats.migrations,
+                    "target": reply.final.stats.target,
+                    "seconds": time.perf_counter() - started,
+                }
+            except grpc.aio.AioRpcError as error:
+                results[number] = {"error": error.code().name, "seconds": time.perf_counter() - started}
+
+    await asyncio.gather(*(stream() for _ in range(streams)))
+    return results
+
+
+async def busiest(channel) -> str:
+    listed = await specdecode_pb2_grpc.ReplicasStub(channel).List(specdecode_pb2.ListReplicasRequest())
+    targets = [r for r in listed.replicas if r.role == "target" and not r.draining]
+    return max(targets, key=lambda r: r.in_flight).address
+
+
+async def live_sessions(address: str) -> int | None:
+    try:
+        async with grpc.aio.insecure_channel(address) as channel:
+            info = await target_pb2_grpc.TargetServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=5)
+            return info.live_sessions
+    except grpc.aio.AioRpcError:
+        return None
+
+
+def kill(address: str, signum: int) -> int:
+    port = address.rsplit(":", 1)[1]
+    found = subprocess.run(["pgrep", "-f", f"serve target .*--port {port} "], capture_output=True, text=True)
+    pids = [int(pid) for pid in found.stdout.split()]
+    if len(pids) != 1:
+        raise SystemExit(f"expected one target process on port {port}, found {pids}")
+    os.kill(pids[0], signum)
+    return pids[0]
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
+
+
+async def main(args) -> dict:
+    targets = args.targets.split(",")
+    async with grpc.aio.insecure_channel(args.server) as channel:
+        client = specdecode_pb2_grpc.SpecDecodeStub(channel)
+        clean = await run(client, args.requests, args.tokens, args.streams, "chaos")
+        print(f"fault-free run: {sum('tokens' in r for r in clean)} of {args.requests} completed", flush=True)
+        faulted = asyncio.create_task(run(client, args.requests, args.tokens, args.streams, "chaos"))
+        await asyncio.sleep(args.kill_after)
+        victim = await busiest(channel)
+        pid = kill(victim, signal.SIGKILL)
+        print(f"SIGKILL to the target replica {victim} (pid {pid})", flush=True)
+        results = await faulted
+    await asyncio.sleep(2)
+    survivors = {address: await live_sessions(address) for address in targets if address != victim}
+    moved = [r["seconds"] for r in results if r.get("migrations")]
+    others = [r["seconds"] for r in results if "tokens" in r and not r.get("migrations")]
+    report = {
+        "fault": "SIGKILL one target replica mid-run",
+        "victim": victim,
+        "requests": args.requests,
+        "streams": args.streams,
+        "max_new_tokens": args.tokens,
+        "completed": sum("tokens" in r for r in results),
+        "failed": sum("error" in r for r in results),
+        "wrong_tokens": sum("tokens" in r and r["tokens"] != c.get("tokens") for r, c in zip(results, clean)),
+        "leaked_sessions": sum(count or 0 for count in survivors.values()),
+        "survivors_live_sessions": survivors,
+        "migrated": len(moved),
+        "moved_e2e_s": {"p50": percentile(moved, 0.5), "p99": percentile(moved, 0.99)},
+        "others_e2e_s": {"p50": percentile(others, 0.5), "p99": percentile(others, 0.99)},
+        "clean_e2e_s": {"p50": statistics.median(r["seconds"] for r in clean if "tokens" in r)},
+        "machine": machine_info(),
+    }
+    print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1))
+    return report
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--server", default="127.0.0.1:50051")
+    parser.add_argument("--targets", required=True, help="the target replicas, comma-separated (for their sessions)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--streams", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--kill-after", type=float, default=2.0, help="seconds into the faulted run")
+    parser.add_argument("--out", type=Path, default=None)
+    arguments = parser.parse_args()
+    outcome = asyncio.run(main(arguments))
+    if arguments.out:
+        arguments.out.write_text(json.dumps(outcome, indent=1) + "\n")
+    sys.exit(0 if outcome["failed"] == 0 and outcome["wrong_tokens"] == 0 else 1)
