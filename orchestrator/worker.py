@@ -57,8 +57,9 @@ class GenerationWorker:
         self.targets = replicas(target_address)
         self.policy = policy
         self.security = security  # the orchestrator's own token and CA, towards the services
-        # one per worker and draft replica: a dead draft is noticed once, not per request
-        self.draft_gates = {draft: DraftGate(policy) for draft in self.drafts}
+        # one per worker and draft replica (one added while serving too): a dead draft is noticed once,
+        # not per request
+        self.draft_gates: dict[str, DraftGate] = {}
         # one per worker and (draft, target) pair: what calls cost now, for choosing K (costs.py)
         self.costs: dict[tuple[str | None, str], ServiceCosts] = {}
         self.recent_outputs = RecentOutputs()  # one per worker: its latest outputs, for the suffix drafter
@@ -105,6 +106,7 @@ class GenerationWorker:
                 pair = self.pairs[draft, target] = pair_of(*services)
                 costs = self.costs[draft, target] = ServiceCosts()
                 if pair.has_draft:
+                    self.draft_gates.setdefault(draft, DraftGate(self.policy))
                     costs.shared_cores = share_cores(draft, target, pair.draft_info, pair.target_info)
             return pair
 

@@ -17,7 +17,6 @@ import asyncio
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import grpc
 
-from specd.bench.loadtest import machine_info
+from specd.bench.loadtest import machine_info, percentiles
 from specd.proto.client import complete, make_request
 from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
 
@@ -79,11 +78,6 @@ def kill(address: str, signum: int) -> int:
     return pids[0]
 
 
-def percentile(values: list[float], q: float) -> float | None:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else None
-
-
 async def main(args) -> dict:
     targets = args.targets.split(",")
     async with grpc.aio.insecure_channel(args.server) as channel:
@@ -112,9 +106,9 @@ async def main(args) -> dict:
         "leaked_sessions": sum(count or 0 for count in survivors.values()),
         "survivors_live_sessions": survivors,
         "migrated": len(moved),
-        "moved_e2e_s": {"p50": percentile(moved, 0.5), "p99": percentile(moved, 0.99)},
-        "others_e2e_s": {"p50": percentile(others, 0.5), "p99": percentile(others, 0.99)},
-        "clean_e2e_s": {"p50": statistics.median(r["seconds"] for r in clean if "tokens" in r)},
+        "moved_e2e_s": percentiles(moved),
+        "others_e2e_s": percentiles(others),
+        "clean_e2e_s": percentiles([r["seconds"] for r in clean if "tokens" in r]),
         "machine": machine_info(),
     }
     print(json.dumps({k: v for k, v in report.items() if k != "machine"}, indent=1))

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing
-import statistics
 import time
 from pathlib import Path
 
@@ -24,7 +23,7 @@ import grpc
 import ray
 from ray import serve
 
-from specd.bench.loadtest import machine_info
+from specd.bench.loadtest import machine_info, percentiles
 
 PAYLOAD = bytes(range(256)) * 4  # ~1 KB: a Verify's token ids and a little more
 METHOD = "/bench.Echo/Call"
@@ -84,9 +83,7 @@ async def measure(calls: int, port: int) -> dict[str, list[float]]:
 
 
 def summary(seconds: list[float]) -> dict[str, float]:
-    ordered = sorted(seconds)
-    at = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e6  # noqa: E731
-    return {"p50_us": at(0.5), "p90_us": at(0.9), "p99_us": at(0.99), "mean_us": statistics.fmean(seconds) * 1e6}
+    return {f"{key}_us": value * 1e6 for key, value in percentiles(seconds).items()}
 
 
 def main() -> None:
