@@ -17,8 +17,13 @@ from specd.cli.common import (
     check_service_device,
     draft_tokens_flag,
 )
+from specd.cli.orchestrator_flags import (
+    add_draft_ahead_flag,
+    add_orchestrator_limit_flags,
+    add_routing_flag,
+    policy_from_args,
+)
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
-from specd.orchestrator.faults import FaultPolicy
 from specd.proto import tracing
 from specd.proto.auth import add_client_flags, add_server_flags, client_security_from_args, server_security_from_args
 from specd.proto.host import DEFAULT_DRAIN_SECONDS
@@ -96,7 +101,7 @@ def add_parser(verbs) -> None:
         help=f"port of the OpenAI-compatible HTTP API (default {DEFAULT_HTTP_PORT}; 0 picks a free one)",
     )
     parser.add_argument("--no-http", action="store_true", help="serve gRPC only")
-    _add_orchestrator_limit_flags(parser)
+    add_orchestrator_limit_flags(parser)
     add_server_flags(parser)
     add_client_flags(parser, "the services (the orchestrator sends its own --token to them)", token=False)
     add_tracing_flag(parser)
@@ -241,82 +246,6 @@ def _q_bytes_flag(value: str) -> int:
     return limit
 
 
-def _add_orchestrator_limit_flags(parser) -> None:
-    policy = FaultPolicy()
-    parser.add_argument(
-        "--max-concurrent-requests",
-        type=int,
-        default=None,
-        metavar="N",
-        help="requests in flight at once; more are refused RESOURCE_EXHAUSTED (default: no limit)",
-    )
-    parser.add_argument(
-        "--max-prompt-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="longest prompt accepted (default: what a session holds)",
-    )
-    parser.add_argument(
-        "--propose-timeout",
-        type=float,
-        default=policy.propose_timeout_s,
-        metavar="S",
-        help="cap on one draft call; a slower draft is skipped for that step (target-only)",
-    )
-    parser.add_argument(
-        "--call-timeout",
-        type=float,
-        default=policy.call_timeout_s,
-        metavar="S",
-        help="cap on one target call (the client's deadline may be shorter)",
-    )
-    parser.add_argument(
-        "--target-retry",
-        type=float,
-        default=policy.target_retry_s,
-        metavar="S",
-        help="retry an unavailable target this long, then end the request UNAVAILABLE",
-    )
-
-
-def add_draft_ahead_flag(parser) -> None:
-    """--draft-ahead: the orchestrator's default for requests that leave GenerateRequest.draft_ahead empty."""
-    from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD, DRAFT_AHEAD_MODES
-
-    parser.add_argument(
-        "--draft-ahead",
-        choices=DRAFT_AHEAD_MODES,
-        default=DEFAULT_DRAFT_AHEAD,
-        help="while the target verifies a step, the draft already guesses the next one, used when the whole "
-        f"step is accepted (default {DEFAULT_DRAFT_AHEAD}: where the measured costs say it pays; a draft and a "
-        f"target both on the CPU at loopback addresses, as `specd up` runs them, are taken to share cores)",
-    )
-
-
-def add_routing_flag(parser) -> None:
-    """--routing: how the orchestrator places new requests on a pool of replicas (router.py); and
-    --migration-limit: how often a request may move off a failed target replica (migration.py)."""
-    from specd.orchestrator.migration import MIGRATION_LIMIT
-    from specd.orchestrator.router import ROUTINGS
-
-    parser.add_argument(
-        "--routing",
-        choices=ROUTINGS,
-        default=ROUTINGS[0],
-        help="with several target or draft replicas, how each new request is placed: prefix (default: by the "
-        "prefixes each replica was sent, inside a load bound) or round-robin (in turn, the baseline)",
-    )
-    parser.add_argument(
-        "--migration-limit",
-        type=int,
-        default=MIGRATION_LIMIT,
-        metavar="N",
-        help=f"with several target replicas, a request whose replica fails moves to another and goes on exactly "
-        f"where it was, up to N times (default {MIGRATION_LIMIT}; 0: it fails UNAVAILABLE)",
-    )
-
-
 def _security(args, client: bool = False):
     try:
         return client_security_from_args(args) if client else server_security_from_args(args)
@@ -396,9 +325,7 @@ def run_orchestrator(args: argparse.Namespace) -> int:
 
     from specd.orchestrator.server import OrchestratorServer, serve_until_signal
 
-    policy = FaultPolicy(
-        propose_timeout_s=args.propose_timeout, call_timeout_s=args.call_timeout, target_retry_s=args.target_retry
-    )
+    policy = policy_from_args(args)
     security, service_security = _security(args), _security(args, client=True)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")  # drain lines
     tracing.setup(args.otlp_endpoint, "specd-orchestrator")  # this process; the Ray workers set up their own

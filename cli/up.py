@@ -15,16 +15,19 @@ from specd.cli.common import (
     add_stack_device_flags,
     check_stack_devices,
 )
+from specd.cli.orchestrator_flags import (
+    add_draft_ahead_flag,
+    add_orchestrator_limit_flags,
+    add_routing_flag,
+    policy_from_args,
+)
 from specd.cli.serve import (
     DEFAULT_HTTP_PORT,
     DEFAULT_METRICS_PORTS,
     DEFAULT_PORTS,
     _add_limit_flags,
-    _add_orchestrator_limit_flags,
-    add_draft_ahead_flag,
     add_drain_flag,
     add_prefix_cache_flag,
-    add_routing_flag,
     add_tracing_flag,
     limits_from_args,
 )
@@ -154,7 +157,7 @@ def add_cluster_security_and_limit_flags(parser: argparse.ArgumentParser) -> Non
     add_server_flags(group)
     add_client_flags(group, "the servers (default: --tls-cert, a self-signed certificate is its own CA)", token=False)
     _add_limit_flags(group, "draft")  # --max-q-bytes is the draft's; the others both services'
-    _add_orchestrator_limit_flags(group)
+    add_orchestrator_limit_flags(group)
     parser.set_defaults(cluster_only={action.option_strings[0]: action for action in group._group_actions})
 
 
@@ -189,7 +192,6 @@ def run(args: argparse.Namespace) -> int:
 def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     from specd.deploy.cluster import ClusterConfig, ClusterStack
     from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
-    from specd.orchestrator.faults import FaultPolicy
 
     security, service_security = cluster_security(args)
     stack = ClusterStack(
@@ -229,11 +231,7 @@ def run_on_cluster(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             limits=limits_from_args(args),
             security=security,
             service_security=service_security,
-            policy=FaultPolicy(
-                propose_timeout_s=args.propose_timeout,
-                call_timeout_s=args.call_timeout,
-                target_retry_s=args.target_retry,
-            ),
+            policy=policy_from_args(args),
             max_concurrent_requests=args.max_concurrent_requests,
             max_prompt_tokens=args.max_prompt_tokens,
             # --max-draft-tokens is the largest K the services accept; auto chooses within it and its own bound
@@ -308,6 +306,7 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
             draft_ahead=args.draft_ahead,
             routing=args.routing,
             migration_limit=args.migration_limit,
+            step_deadline=args.step_deadline,
             otlp_endpoint=args.otlp_endpoint,
             drain_seconds=args.drain_seconds,
             prefix_cache_tokens=None if args.prefix_cache_tokens == AUTO_PREFIX_TOKENS else args.prefix_cache_tokens,

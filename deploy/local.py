@@ -59,6 +59,7 @@ class StackConfig:
     draft_ahead: str | None = None  # the orchestrator's --draft-ahead; None: its own (auto)
     routing: str | None = None  # the orchestrator's --routing over the replicas; None: its own (prefix)
     migration_limit: int | None = None  # its --migration-limit; None: its own
+    step_deadline: float | None = None  # its --step-deadline (a silent target replica's); None: its own
     otlp_endpoint: str | None = None  # OpenTelemetry collector of all three processes (--otlp-endpoint); None: off
     drain_seconds: float | None = None  # --drain-seconds of all three processes; None: their default (30)
     prefix_cache_tokens: int | None = None  # both model services' --prefix-cache-tokens; None: their default (auto)
@@ -136,6 +137,7 @@ class LocalStack:
                     draft_ahead=config.draft_ahead,
                     routing=config.routing,
                     migration_limit=config.migration_limit,
+                    step_deadline=config.step_deadline,
                     otlp_endpoint=config.otlp_endpoint,
                     drain_seconds=config.drain_seconds,
                 ),

@@ -166,7 +166,7 @@ class DraftAhead:
                 reply, served = await draft.propose(context, asked, gen.sampling)
         except ServiceFailed as failure:
             if not draft.spent():
-                gen.draft_gate.failed()
+                gen.draft_failed(failure)
                 log.warning("draft failed while drafting ahead; the next step proposes afresh: %s", failure)
             return None
         finally:

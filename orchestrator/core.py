@@ -255,6 +255,7 @@ def stats_dict(stats: Stats, steps: bool = True) -> dict:
         "target": stats.target,
         "draft": stats.draft,
         "migrations": stats.migrations,
+        "draft_moves": stats.draft_moves,
         "lookup_steps": stats.lookup_steps,
         "lookup_drafted": stats.lookup_drafted,
         "lookup_accepted": stats.lookup_accepted,

@@ -16,6 +16,11 @@
   for up to `target_retry_s`, with resync and re-prefill when it comes back; after that the
   request ends UNAVAILABLE. The output is never a wrong token: every retried call names the
   committed prefix it starts from (docs/architecture.md §3).
+- Where another target replica can take the request over (a pool, orchestrator/migration.py), a
+  failing target is given up sooner: retried for `failover_retry_s`, not `target_retry_s`, and a
+  Verify or Decode that does not answer within the step deadline (`step_timeout_s`, more for a call
+  that catches up first, as a Propose's) counts as a failure: a frozen replica (SIGSTOP, a black
+  hole) is left after the step deadline, not after `call_timeout_s`.
 """
 
 import time
@@ -32,11 +37,21 @@ class FaultPolicy:
     call_timeout_s: float = 300.0  # cap on one Prefill/Verify/Decode (long prompts on a CPU are slow)
     target_retry_s: float = 30.0  # keep retrying an unavailable target this long, then UNAVAILABLE
     draft_backoff_s: tuple[float, float] = (0.5, 8.0)  # first and longest pause after a draft failure
+    # With a pool: how long a failing target is retried before its request moves to another replica, and
+    # the cap on one Verify or Decode (--step-deadline; a pass under load takes seconds on a CPU, not 30)
+    failover_retry_s: float = 1.0
+    step_timeout_s: float = 30.0
 
     def propose_cap(self, tokens: int) -> float:
         """The cap on a Propose whose cursor sends `tokens` (more than 2: it first catches up on them)."""
         catch_up = max(0, tokens - 2) / CATCHUP_TOKENS_PER_CAP
         return min(self.call_timeout_s, self.propose_timeout_s * (1 + catch_up))
+
+    def step_cap(self, tokens: int) -> float:
+        """With a pool: the cap on a Verify or Decode whose cursor sends `tokens` (the step deadline, one
+        more per CATCHUP_TOKENS_PER_CAP tokens it first catches up on)."""
+        catch_up = max(0, tokens - 2) / CATCHUP_TOKENS_PER_CAP
+        return min(self.call_timeout_s, self.step_timeout_s * (1 + catch_up))
 
 
 class ServiceFailed(Exception):
@@ -55,16 +70,23 @@ class DraftGate:
         self.first_pause, self.longest_pause = policy.draft_backoff_s
         self.pause = 0.0
         self.closed_until = 0.0
+        self.lost = False  # the last failure was the draft down or silent (not a refusal)
 
     def is_open(self) -> bool:
         return time.monotonic() >= self.closed_until
 
-    def failed(self) -> None:
+    def is_down(self) -> bool:
+        """Closed after the draft was down or silent: a request with another draft replica to go to leaves
+        this one (Generation.move_draft). Once open again, the next Propose tries it: it may be back."""
+        return self.lost and not self.is_open()
+
+    def failed(self, lost: bool = False) -> None:
         self.pause = min(self.longest_pause, max(self.first_pause, self.pause * 2))
         self.closed_until = time.monotonic() + self.pause
+        self.lost = lost
 
     def succeeded(self) -> None:
-        self.pause, self.closed_until = 0.0, 0.0
+        self.pause, self.closed_until, self.lost = 0.0, 0.0, False
 
 
 class Backoff:

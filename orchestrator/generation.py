@@ -21,7 +21,9 @@ too (draft_stub None: an orchestrator started without --draft).
 Draft-ahead (ahead.py) sits beside step 2: while the target verifies, the draft guesses the next step
 on the assumption that all is accepted; step 1 of the next step takes those guesses when it was.
 A draft that is down or slower than its deadline is skipped the same way, step by step (fail
-closed, faults.py); an unavailable target is retried, then the request ends UNAVAILABLE.
+closed, faults.py), and where the pool has other draft replicas the request goes on with one of them
+(`move_draft`); an unavailable target is retried, then the request ends UNAVAILABLE (or the pool
+moves it to another target replica, migration.py).
 The request, its events and its stats are types of their own (request.py).
 """
 
@@ -30,6 +32,8 @@ import logging
 import struct
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 from tokenizers import Tokenizer
 
@@ -38,7 +42,7 @@ from specd.orchestrator.ahead import DraftAhead
 from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.lookup import LOOKUP_ONLY, PromptLookup
-from specd.orchestrator.request import Delta, Finished, GenerationRequest, Stats
+from specd.orchestrator.request import Delta, Finished, GenerationRequest, Rebound, Stats
 from specd.orchestrator.sessions import RemoteSession
 from specd.orchestrator.suffix import RecentOutputs, SuffixDrafter
 from specd.orchestrator.text import OutputText
@@ -49,6 +53,19 @@ from specd.v1 import common_pb2, draft_pb2
 log = logging.getLogger("specd.orchestrator")
 
 NO_TIME = (0.0, None)  # a call not made: (wall seconds, served seconds)
+MOVING_CODES = ("UNAVAILABLE", "CANCELLED")  # a draft failure that moves the request to another draft replica
+_releasing: set[asyncio.Task] = set()  # Releases not waited for (a failed service's), kept until they end
+
+
+@dataclass(frozen=True)
+class DraftBinding:
+    """A draft replica a request can go on with: its address, stub, the worker's gate for it, and
+    the costs of its pair with the request's target."""
+
+    address: str
+    stub: object
+    gate: DraftGate
+    costs: ServiceCosts
 
 
 class Generation:
@@ -66,8 +83,15 @@ class Generation:
         costs: ServiceCosts | None = None,
         trace_parent=None,
         recent: RecentOutputs | None = None,
+        rebind: Callable[[str], Awaitable[DraftBinding | None]] | None = None,
     ):
         self.request = request
+        self.policy = policy
+        # another draft replica to go on with when this one fails (the worker's; None: stay, target-only)
+        self.rebind = rebind
+        self.rebound: list[Rebound] = []  # moves made, for the pool's router (run yields them)
+        self.left: list[RemoteSession] = []  # sessions on draft replicas it left: released at the end
+        self.failed_service = ""  # the service whose failure ended the request: its Release is not waited for
         self.trace_parent = trace_parent  # the caller's trace context (tracing.parent); None: a trace of its own
         # prompt + emitted output: the truth (after what an earlier attempt streamed, where it was moved)
         self.committed = list(request.prompt_ids) + list(request.resumed)
@@ -78,8 +102,8 @@ class Generation:
         salt = request.cache_salt  # the services' prefix caches: this tenant's prefixes only
         self.draft = RemoteSession(draft_stub, session_id, self.seconds_left, "draft", policy, False, salt)
         self.target = RemoteSession(target_stub, session_id, self.seconds_left, "target", policy, salt=salt)
-        if request.target_retry_s is not None:  # another replica can take it over: fail over sooner
-            self.target.retry_window_s = min(self.target.retry_window_s, request.target_retry_s)
+        if request.failover:  # another replica can take it over: give a failing or frozen target up sooner
+            self.target.failover()
         self.sampling = common_pb2.SamplingParams(
             temperature=request.temperature,
             top_p=request.top_p,
@@ -154,8 +178,13 @@ class Generation:
                     text += self.output.finish()
                 if self.stats.steps == 1:
                     self.stats.time_to_first_token_s = time.perf_counter() - started
+                while self.rebound:
+                    yield self.rebound.pop(0)
                 yield self.delta(text, emitted, verdict)
             yield self.finished(reason, time.perf_counter() - started)
+        except ServiceFailed as failure:
+            self.failed_service = failure.service
+            raise
         finally:
             if self.recent is not None:  # what the target committed, however the request ended
                 self.recent.add(self.committed[len(request.prompt_ids) :], request.cache_salt)
@@ -201,6 +230,8 @@ class Generation:
         #    text already holds a continuation worth more (no call), else from the draft. No guesses
         #    when K is 0 or the draft is down or slow: then the step runs target-only (fail closed).
         pre_drafted = await self.ahead.take(committed)
+        if self.draft_gate.is_down() and self.request.spare_drafts:  # its draft replica is down: go on with another
+            await self.move_draft()
         behind = self.draft.behind(committed)
         k, looked_up = (len(pre_drafted[0].draft_tokens), []) if pre_drafted else self.draft_length(behind)
         if pre_drafted:
@@ -302,12 +333,35 @@ class Generation:
         except ServiceFailed as failure:
             if self.draft.spent():
                 raise  # the request ran out of time, not the draft: end it (DEADLINE_EXCEEDED)
-            self.draft_gate.failed()
+            self.draft_failed(failure)
             log.warning("draft failed, this step runs target-only: %s", failure)
             return None, NO_TIME
         self.draft_gate.succeeded()
         self.ahead.propose_took(len(proposal.draft_tokens), time.perf_counter() - started)
         return proposal, (time.perf_counter() - started, served)
+
+    def draft_failed(self, failure: ServiceFailed) -> None:
+        """A Propose failed (not for the request's deadline): the worker's gate for that draft closes, and
+        where it is down or silent the worker's requests leave it before their next Propose (`move_draft`)."""
+        self.draft_gate.failed(lost=failure.code.name in MOVING_CODES)
+
+    async def move_draft(self) -> None:
+        """Go on with another draft replica where the worker finds one that serves (the session there
+        opens from token 0 at the next Propose); none: stay, target-only while the gate is closed. The
+        pool hears of it (a Rebound) and routes no new request to the failed one until it serves again."""
+        other = await self.rebind(self.stats.draft) if self.rebind else None
+        if other is None:
+            return
+        old = self.draft
+        self.left.append(old)
+        self.draft = RemoteSession(other.stub, old.session_id, self.seconds_left, "draft", self.policy, False, old.salt)
+        self.draft_gate, self.costs = other.gate, other.costs
+        if self.chooser:
+            self.chooser.costs = other.costs
+        self.rebound.append(Rebound(self.stats.draft, other.address))
+        log.warning("draft replica %s failed: the request goes on with %s", self.stats.draft, other.address)
+        self.stats.draft = other.address
+        self.stats.draft_moves += 1
 
     def record(
         self,
@@ -370,6 +424,17 @@ class Generation:
         return kept, "length" if self.generated >= self.request.max_new_tokens else None
 
     async def release(self) -> None:
-        # Best effort: idle eviction frees whatever a dead service could not release.
+        # Best effort: idle eviction frees whatever a dead service could not release. A service that
+        # failed the request is not waited for (a frozen one would hold the request's end, and its move
+        # to another replica, for the Release's timeout).
         await self.ahead.discard()  # a call drafting ahead ends before its session does
-        await asyncio.gather(self.draft.release(), self.target.release(), return_exceptions=True)
+        sessions = {"draft": self.draft, "target": self.target}
+        waited = [session.release() for name, session in sessions.items() if name != self.failed_service]
+        later = [session.release() for session in self.left]
+        if self.failed_service in sessions:
+            later.append(sessions[self.failed_service].release())
+        if later:
+            task = asyncio.ensure_future(asyncio.gather(*later, return_exceptions=True))
+            _releasing.add(task)
+            task.add_done_callback(_releasing.discard)
+        await asyncio.gather(*waited, return_exceptions=True)

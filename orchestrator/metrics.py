@@ -41,7 +41,8 @@ class OrchestratorMetrics:
         )
         self.migrations = Counter(
             "specd_migrations",
-            "Requests moved to another target replica after theirs failed (migration.py)",
+            "Requests moved to another replica after theirs failed, by role (migration.py; a draft's: generation.py)",
+            ["role"],
             registry=registry,
         )
         self.route_matched_tokens = Counter(
@@ -143,9 +144,9 @@ class OrchestratorMetrics:
         self.routes.labels(role, route.reason).inc()
         self.route_matched_tokens.labels(role).inc(route.matched_tokens)
 
-    def migrated(self) -> None:
-        """A request moved off a failed target replica."""
-        self.migrations.inc()
+    def migrated(self, role: str = "target") -> None:
+        """A request moved off a failed `role` replica."""
+        self.migrations.labels(role).inc()
 
     def rejected(self, api: str, outcome: str = "INVALID_ARGUMENT") -> None:
         """A request refused before it started."""

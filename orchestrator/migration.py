@@ -9,8 +9,12 @@ position (docs/architecture.md §3), so the moved request emits the tokens it wo
 
 `Progress`, one per request: the tokens streamed so far and the moves made, and whether a failure
 moves it (`moves_on`): a target's UNAVAILABLE, fewer than `limit` moves made, another replica serving,
-time left. `Rejoin`, one per pool: a replica that failed takes no new request until its health says
-SERVING again; then it rejoins, empty.
+time left. Where another replica serves, the request gives a failing target up after the policy's
+`failover_retry_s` of retries and a frozen one after its step deadline (faults.py), not after the 30 s
+and 300 s a lone target gets. `Rejoin`, one per pool: a replica that failed (a target, or a draft a
+request left, generation.py) takes no new request until its health says SERVING again; then it
+rejoins, empty, and the sessions the requests that left it held there are released (a frozen replica
+that thaws still holds them).
 """
 
 import asyncio
@@ -18,13 +22,12 @@ import contextlib
 import logging
 import time
 
-from specd.orchestrator.remote import wait_until_serving
+from specd.orchestrator.remote import release_sessions, wait_until_serving
 from specd.orchestrator.request import Delta, Failed, GenerationRequest
 from specd.orchestrator.router import Router
 from specd.proto.auth import ClientSecurity
 
 MIGRATION_LIMIT = 3  # moves per request (--migration-limit); 0: a failed target fails its requests
-FAILOVER_S = 1.0  # where another replica serves, how long a failing target is retried before the request moves
 REJOIN_CHECK_S = 3600.0  # one wait for a failed replica's SERVING; then the next
 
 log = logging.getLogger("specd.orchestrator")
@@ -56,27 +59,32 @@ class Progress:
 
 
 class Rejoin:
-    """Failed replicas out of their router until they serve again."""
+    """Failed replicas out of their role's router until they serve again."""
 
-    def __init__(self, security: ClientSecurity = ClientSecurity()):
+    def __init__(self, routers: dict[str, Router], security: ClientSecurity = ClientSecurity()):
+        self.routers = routers  # per role ("target", "draft")
         self.security = security
-        self.waiting: dict[str, asyncio.Task] = {}
+        self.waiting: dict[tuple[str, str], asyncio.Task] = {}
+        self.left: dict[tuple[str, str], list[str]] = {}  # sessions that requests left there, to release
 
-    def failed(self, router: Router, name: str) -> None:
-        router.failed(name)
-        if name not in self.waiting:
-            self.waiting[name] = asyncio.create_task(self._rejoin(router, name))
+    def failed(self, role: str, name: str, session_id: str) -> None:
+        """Replica `name` of `role` failed the request with this session (which went elsewhere)."""
+        self.routers[role].failed(name)
+        self.left.setdefault((role, name), []).append(session_id)
+        if (role, name) not in self.waiting:
+            self.waiting[role, name] = asyncio.create_task(self._rejoin(role, name))
 
-    async def _rejoin(self, router: Router, name: str) -> None:
+    async def _rejoin(self, role: str, name: str) -> None:
         try:
             while True:
                 with contextlib.suppress(TimeoutError):
                     await wait_until_serving(name, REJOIN_CHECK_S, self.security)
-                    router.back(name)
-                    log.info("replica %s serves again: it rejoins the pool", name)
-                    return
+                    break
+            await release_sessions(role, name, self.left.pop((role, name), []), self.security)
+            self.routers[role].back(name)
+            log.info("%s replica %s serves again: it rejoins the pool", role, name)
         finally:
-            self.waiting.pop(name, None)
+            self.waiting.pop((role, name), None)
 
     def close(self) -> None:
         for task in list(self.waiting.values()):

@@ -24,6 +24,18 @@ CHANNEL_OPTIONS = [
 ]
 
 
+async def release_sessions(
+    role: str, address: str, session_ids: list[str], security: ClientSecurity = ClientSecurity(), timeout_s: float = 5.0
+) -> None:
+    """Release these sessions on the `role` service at `address`, best effort (one it no longer holds, or
+    a service that does not answer, is no error: idle eviction frees what this cannot)."""
+    stub_of = draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub
+    async with security.channel(address) as channel:
+        stub = stub_of(channel)
+        calls = [stub.Release(common_pb2.ReleaseRequest(session_id=sid), timeout=timeout_s) for sid in session_ids]
+        await asyncio.gather(*calls, return_exceptions=True)
+
+
 class PairMismatch(Exception):
     """Draft and target cannot work together (different vocabularies or tokenizers)."""
 

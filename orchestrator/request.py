@@ -41,7 +41,11 @@ class GenerationRequest:
     # Output tokens an earlier attempt already streamed (the pool moved the request off a failed target
     # replica, migration.py): this attempt continues after them, and streams only what follows.
     resumed: list[int] = field(default_factory=list)
-    target_retry_s: float | None = None  # how long to retry a failing target before failing; None: the policy's
+    # Another target replica can take the request over (the pool's migration): give a failing or frozen
+    # target up sooner (faults.py: the failover retry window and the step deadline)
+    failover: bool = False
+    # Draft replicas to go on with, best first, where the draft replica fails (the pool's router names them)
+    spare_drafts: list[str] = field(default_factory=list)
 
 
 TopLogprobs = list[tuple[list[int], list[float]]]  # per position: the most likely (token ids, log p)
@@ -88,6 +92,15 @@ class Failed:
 
 
 @dataclass
+class Rebound:
+    """The request left its failed draft replica for another (`draft`): for the pool's router, never
+    the client (the pool keeps it from the stream)."""
+
+    failed: str
+    draft: str
+
+
+@dataclass
 class Stats:
     draft_tokens: int = 0  # the fixed K, or the largest K when adaptive
     adaptive: bool = False
@@ -112,6 +125,7 @@ class Stats:
     completion_tokens: int = 0
     resyncs: int = 0
     migrations: int = 0  # times the pool moved the request to another target replica (migration.py)
+    draft_moves: int = 0  # times it left a failed draft replica for another (generation.py move_draft)
     ahead_steps: int = 0  # steps that drafted the next step ahead during their verify (ahead.py)
     ahead_ready: int = 0  # steps that took guesses drafted ahead (no Propose to wait for)
     ahead_late: int = 0  # of those, the ones whose guesses came after the verdict (the step waited)

@@ -125,6 +125,11 @@ class Router:
         self.decisions[reason] += 1
         return Route(chosen.name, reason, matched[chosen.name])
 
+    def placed(self, name: str) -> None:
+        """A running request moved to `name` (its replica failed): counted there until `done`."""
+        if (replica := self.replicas.get(name)) is not None:
+            replica.load += 1
+
     def done(self, name: str) -> None:
         """A request placed on `name` ended (however it ended)."""
         if (replica := self.replicas.get(name)) is not None and replica.load > 0:

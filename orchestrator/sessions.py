@@ -65,6 +65,7 @@ class RemoteSession:
         self.name = name  # "draft" or "target", for messages
         self.policy = policy
         self.retry_window_s = policy.target_retry_s if required else 0.0  # the draft is optional: no retries
+        self.step_deadline = False  # Verify and Decode capped by the step deadline (`failover`)
         self.held: list[int] | None = None  # the record; None: no session there yet (or lost): send from 0
         self.opened = False  # a call that may have opened it was sent: Release at the end
         self.resyncs = 0
@@ -78,6 +79,16 @@ class RemoteSession:
         cap = self.policy.call_timeout_s if cap is None else cap
         left = self.seconds_left()
         return cap if left is None else min(left, cap)
+
+    def failover(self) -> None:
+        """Another replica can take this request over: give a failing service up sooner (the policy's
+        failover retry window, and the step deadline on each Verify or Decode; faults.py)."""
+        self.retry_window_s = min(self.retry_window_s, self.policy.failover_retry_s)
+        self.step_deadline = True
+
+    def step_timeout(self, cursor: common_pb2.SessionCursor) -> float:
+        """The timeout of a Verify or Decode sending this cursor."""
+        return self.timeout(self.policy.step_cap(len(cursor.tokens)) if self.step_deadline else None)
 
     def cursor(self, committed: list[int]) -> common_pb2.SessionCursor:
         """Keep the agreed prefix, send the rest; always send >= 1 token (the last committed)."""
@@ -123,7 +134,7 @@ class RemoteSession:
             committed,
             lambda cursor: self.stub.Verify(
                 target_pb2.VerifyRequest(cursor=cursor, draft_tokens=draft_tokens, q=q, sampling=sampling, **options),
-                timeout=self.timeout(),
+                timeout=self.step_timeout(cursor),
             ),
         )
         self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
@@ -135,7 +146,8 @@ class RemoteSession:
         reply, seconds = await self._call(
             committed,
             lambda cursor: self.stub.Decode(
-                target_pb2.DecodeRequest(cursor=cursor, sampling=sampling, **options), timeout=self.timeout()
+                target_pb2.DecodeRequest(cursor=cursor, sampling=sampling, **options),
+                timeout=self.step_timeout(cursor),
             ),
         )
         self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
@@ -233,7 +245,10 @@ class RemoteSession:
         return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
 
     def _failed(self, error: grpc.aio.AioRpcError, retries: int, seconds: float) -> ServiceFailed:
-        if retries and self._transient(error):
+        # A call past its cap with the request's time left is the service not answering: UNAVAILABLE, retried
+        # or not (a cap as long as the retry window leaves none), never the client's DEADLINE_EXCEEDED
+        unanswered = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
+        if (retries or unanswered) and self._transient(error):
             return ServiceFailed(
                 self.name,
                 grpc.StatusCode.UNAVAILABLE,

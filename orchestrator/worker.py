@@ -10,7 +10,9 @@ requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose actor die
 The target and the draft may each be a pool of replicas (`target_address` "host:port,host:port,...",
 and so `draft_address`): the pool routes each new request to a target replica and, where its drafter
 asks the draft, to a draft replica, each by load and by the prefixes each replica was sent (one
-router per role, router.py); the request stays on them. Every worker holds one channel to every
+router per role, router.py); the request stays on them while they serve: one that fails moves it,
+a target to another target replica (migration.py), a draft to another draft replica the pool named
+(`spare_drafts`, Generation.move_draft). Every worker holds one channel to every
 replica, a draft gate per draft replica, and measures each (draft, target) pair's costs apart (its
 own load B, its own pass times).
 """
@@ -29,16 +31,15 @@ from ray.exceptions import RayActorError
 from specd.orchestrator.ahead import share_cores
 from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
-from specd.orchestrator.generation import Generation
+from specd.orchestrator.generation import DraftBinding, Generation
 from specd.orchestrator.lookup import LOOKUP_ONLY
-from specd.orchestrator.migration import FAILOVER_S, MIGRATION_LIMIT, Progress, Rejoin
-from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of
-from specd.orchestrator.request import Failed, Finished, GenerationRequest
+from specd.orchestrator.migration import MIGRATION_LIMIT, Progress, Rejoin
+from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of, release_sessions
+from specd.orchestrator.request import Failed, Finished, GenerationRequest, Rebound
 from specd.orchestrator.router import ROUTINGS, Router
 from specd.orchestrator.suffix import RecentOutputs
 from specd.proto import tracing
 from specd.proto.auth import ClientSecurity
-from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
 
 log = logging.getLogger("specd.orchestrator")
 
@@ -89,6 +90,7 @@ class GenerationWorker:
             self.costs[draft, target],
             trace_parent=tracing.parent(trace_carrier),
             recent=self.recent_outputs,
+            rebind=lambda failed: self._rebind(request.spare_drafts, failed, target),
         )
         try:
             async for event in generation.run():
@@ -98,11 +100,30 @@ class GenerationWorker:
         except grpc.aio.AioRpcError as error:
             yield Failed(error.code().name, f"{error.details()} (from a model service)")
 
-    async def _connect(self, draft: str | None, target: str) -> ServicePair:
+    async def _rebind(self, spares: list[str], failed: str, target: str) -> DraftBinding | None:
+        """The first of the pool's spare draft replicas this worker has no failure on record for and
+        that answers (REBIND_CONNECT_S to connect to one not yet connected); None: none."""
+        for address in spares:
+            gate = self.draft_gates.get(address)
+            if address == failed or (gate is not None and not gate.is_open()):
+                continue
+            try:
+                pair = await self._connect(address, target, REBIND_CONNECT_S)
+            except (TimeoutError, grpc.aio.AioRpcError, ValueError) as error:
+                log.warning("spare draft replica %s does not answer: %s", address, error)
+                self.draft_gates.setdefault(address, DraftGate(self.policy)).failed(lost=True)  # not asked again soon
+                continue
+            return DraftBinding(address, pair.draft_stub, self.draft_gates[address], self.costs[address, target])
+        return None
+
+    async def _connect(self, draft: str | None, target: str, timeout_s: float = 600.0) -> ServicePair:
         """The pair of these replicas, each service connected once however many pairs it is in."""
         async with self.connecting:
             if (pair := self.pairs.get((draft, target))) is None:
-                services = (await self._service("draft", draft), await self._service("target", target))
+                services = (
+                    await self._service("draft", draft, timeout_s),
+                    await self._service("target", target, timeout_s),
+                )
                 pair = self.pairs[draft, target] = pair_of(*services)
                 costs = self.costs[draft, target] = ServiceCosts()
                 if pair.has_draft:
@@ -110,11 +131,11 @@ class GenerationWorker:
                     costs.shared_cores = share_cores(draft, target, pair.draft_info, pair.target_info)
             return pair
 
-    async def _service(self, role: str, address: str | None) -> Service | None:
+    async def _service(self, role: str, address: str | None, timeout_s: float) -> Service | None:
         if address is None:
             return None
         if (service := self.services.get(address)) is None:
-            service = self.services[address] = await connect_service(role, address, security=self.security)
+            service = self.services[address] = await connect_service(role, address, timeout_s, self.security)
         return service
 
 
@@ -130,6 +151,7 @@ RemoteWorker = ray.remote(GenerationWorker)
 
 
 RESTART_WAIT_S = 30.0  # how long a request that no actor could start waits for one to restart
+REBIND_CONNECT_S = 2.0  # how long a request leaving a failed draft waits to connect to a spare one
 
 
 class WorkerPool:
@@ -165,7 +187,7 @@ class WorkerPool:
             self.routers["draft"] = Router(replicas(draft_address), routing=routing)
         self.metrics = metrics  # told each route and each move (OrchestratorMetrics: routed, migrated)
         self.migration_limit = migration_limit  # moves per request off failed target replicas (migration.py)
-        self.rejoin = Rejoin(security)  # failed replicas, until they serve again
+        self.rejoin = Rejoin(self.routers, security)  # failed replicas, until they serve again
 
     async def ready(self) -> None:
         await asyncio.gather(*(actor.ready.remote() for actor in self.actors))
@@ -188,9 +210,14 @@ class WorkerPool:
                 yield Failed("UNAVAILABLE", "no target replica serves now (each failed, and none is back yet): retry")
                 return
             moved = None
+            bound = {role: getattr(attempt, role) for role in self.routers}  # the replicas it is on
             try:
                 async with contextlib.aclosing(self._on_a_worker(attempt)) as events:
                     async for event in events:
+                        if isinstance(event, Rebound):  # it left a failed draft replica: for the router alone
+                            self._draft_moved(event, attempt.session_id)
+                            bound["draft"] = event.draft
+                            continue
                         if isinstance(event, Failed) and progress.moves_on(event, self._others(attempt.target)):
                             moved = event
                             break
@@ -199,12 +226,12 @@ class WorkerPool:
                         progress.streamed(event)
                         yield event
             finally:
-                for role in self.routers:
-                    self.routers[role].done(getattr(attempt, role))
+                for role, replica in bound.items():
+                    self.routers[role].done(replica)
             if moved is None:
                 return
             progress.moves += 1
-            self.rejoin.failed(self.routers["target"], attempt.target)
+            self.rejoin.failed("target", attempt.target, attempt.session_id)
             log.warning(
                 "target replica %s failed a request after %d output tokens (%s): moving it, move %d of %d",
                 attempt.target,
@@ -214,7 +241,17 @@ class WorkerPool:
                 progress.limit,
             )
             if self.metrics:
-                self.metrics.migrated()
+                self.metrics.migrated("target")
+
+    def _draft_moved(self, event: Rebound, session_id: str) -> None:
+        """A request left draft replica `event.failed` for `event.draft`: its load moves, and the failed
+        one takes no new request until it serves again."""
+        router = self.routers["draft"]
+        router.done(event.failed)
+        router.placed(event.draft)
+        self.rejoin.failed("draft", event.failed, session_id)
+        if self.metrics:
+            self.metrics.migrated("draft")
 
     def _routed(self, request: GenerationRequest, progress: Progress) -> GenerationRequest:
         """This attempt of the request, on the replicas the routers choose now (LookupError: no target
@@ -226,12 +263,17 @@ class WorkerPool:
             if self.metrics:
                 self.metrics.routed(role, route)
         first = not progress.moves
+        spares = []  # the other draft replicas that serve, the least loaded first
+        if "draft" in routes:
+            serving = sorted(self.routers["draft"].serving(), key=lambda replica: replica.load)
+            spares = [replica.name for replica in serving if replica.name != routes["draft"].replica]
         return dataclasses.replace(
             request,
             session_id=(request.session_id if first else "") or uuid.uuid4().hex,
             resumed=list(progress.tokens),
             # another replica can take it over: a failing target is not waited for the policy's 30 s
-            target_retry_s=FAILOVER_S if self.migration_limit and self._others(routes["target"].replica) else None,
+            failover=bool(self.migration_limit and self._others(routes["target"].replica)),
+            spare_drafts=spares,
             **{role: route.replica for role, route in routes.items()},
         )
 
@@ -314,15 +356,9 @@ class WorkerPool:
 
     async def _release(self, request: GenerationRequest) -> None:
         """Release a dead actor's sessions on the request's replicas now rather than at idle eviction."""
-        release = common_pb2.ReleaseRequest(session_id=request.session_id)
-
-        async def on(address: str, stub) -> None:
-            async with self.security.channel(address) as channel:
-                await stub(channel).Release(release, timeout=5.0)
-
-        calls = [on(request.target, target_pb2_grpc.TargetServiceStub)]
+        calls = [release_sessions("target", request.target, [request.session_id], self.security)]
         if request.draft:
-            calls.append(on(request.draft, draft_pb2_grpc.DraftServiceStub))
+            calls.append(release_sessions("draft", request.draft, [request.session_id], self.security))
         await asyncio.gather(*calls, return_exceptions=True)
 
     def shutdown(self) -> None:

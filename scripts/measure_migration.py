@@ -1,15 +1,18 @@
-"""Issue 40's chaos check: a running stack with a pool of target replicas (e.g. `specd up --engine sim
---draft-engine sim --target-replicas 4`), greedy requests at STREAMS streams, run once without a fault
-and once with one target replica's process hit by SIGKILL mid-run. Per fault: completed, failed,
-wrong tokens (outputs that differ from the fault-free run's), sessions left on the surviving
-replicas, requests moved, and the end-to-end latency of the moved requests against the others.
+"""Issue 40's chaos check: a running stack with pools of replicas (e.g. `specd up --engine sim
+--draft-engine sim --target-replicas 4 --draft-replicas 2 --step-deadline 3`), greedy requests at
+STREAMS streams, run once without a fault and once with one replica's process hit mid-run:
+`--fault kill` (SIGKILL to a target replica), `stop` (SIGSTOP to a target replica for `--stop-for`
+seconds, longer than the step deadline, then SIGCONT) or `draft-kill` (SIGKILL to a draft replica).
+Per fault: completed, failed, wrong tokens (outputs that differ from the fault-free run's), sessions
+left (on the surviving replicas of that role; after a stop, on all of them, the thawed one included),
+requests moved, and the end-to-end latency of the moved requests against the others.
 
-    .venv/bin/python scripts/measure_migration.py --server 127.0.0.1:50051 \\
+    .venv/bin/python scripts/measure_migration.py --server 127.0.0.1:50051 --fault kill \\
         --targets 127.0.0.1:50063,127.0.0.1:50163,127.0.0.1:50263,127.0.0.1:50363 \\
         --out docs/results/migration_sim_zen5.json
 
-The victim is the replica with the most requests on it a moment after the faulted run starts
-(`specd.v1.Replicas` List); its process is found by its --port (pgrep).
+The victim is the replica of that role with the most requests on it a moment after the faulted run
+starts (`specd.v1.Replicas` List); its process is found by its --port (pgrep).
 """
 
 import argparse
@@ -26,7 +29,13 @@ import grpc
 
 from specd.bench.loadtest import machine_info, percentiles
 from specd.proto.client import complete, make_request
-from specd.v1 import common_pb2, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
+from specd.v1 import common_pb2, draft_pb2_grpc, specdecode_pb2, specdecode_pb2_grpc, target_pb2_grpc
+
+FAULTS = {
+    "kill": ("target", "SIGKILL one target replica mid-run"),
+    "stop": ("target", "SIGSTOP one target replica mid-run, past the step deadline, then SIGCONT"),
+    "draft-kill": ("draft", "SIGKILL one draft replica mid-run"),
+}
 
 
 async def run(client, count: int, tokens: int, streams: int, tag: str) -> list[dict]:
@@ -42,7 +51,7 @@ async def run(client, count: int, tokens: int, streams: int, tag: str) -> list[d
                 reply = await complete(client, request)
                 results[number] = {
                     "tokens": list(reply.token_ids),
-                    "migrations": reply.final.stats.migrations,
+                    "migrations": reply.final.stats.migrations + reply.final.stats.draft_moves,
                     "target": reply.final.stats.target,
                     "seconds": time.perf_counter() - started,
                 }
@@ -53,49 +62,55 @@ async def run(client, count: int, tokens: int, streams: int, tag: str) -> list[d
     return results
 
 
-async def busiest(channel) -> str:
+async def busiest(channel, role: str) -> str:
     listed = await specdecode_pb2_grpc.ReplicasStub(channel).List(specdecode_pb2.ListReplicasRequest())
-    targets = [r for r in listed.replicas if r.role == "target" and not r.draining]
-    return max(targets, key=lambda r: r.in_flight).address
+    replicas = [r for r in listed.replicas if r.role == role and not r.draining]
+    return max(replicas, key=lambda r: r.in_flight).address
 
 
-async def live_sessions(address: str) -> int | None:
+async def live_sessions(address: str, role: str) -> int | None:
+    stub = draft_pb2_grpc.DraftServiceStub if role == "draft" else target_pb2_grpc.TargetServiceStub
     try:
         async with grpc.aio.insecure_channel(address) as channel:
-            info = await target_pb2_grpc.TargetServiceStub(channel).Info(common_pb2.InfoRequest(), timeout=5)
-            return info.live_sessions
+            return (await stub(channel).Info(common_pb2.InfoRequest(), timeout=5)).live_sessions
     except grpc.aio.AioRpcError:
         return None
 
 
-def kill(address: str, signum: int) -> int:
+def kill(address: str, signum: int, role: str) -> int:
     port = address.rsplit(":", 1)[1]
-    found = subprocess.run(["pgrep", "-f", f"serve target .*--port {port} "], capture_output=True, text=True)
+    found = subprocess.run(["pgrep", "-f", f"serve {role} .*--port {port} "], capture_output=True, text=True)
     pids = [int(pid) for pid in found.stdout.split()]
     if len(pids) != 1:
-        raise SystemExit(f"expected one target process on port {port}, found {pids}")
+        raise SystemExit(f"expected one {role} process on port {port}, found {pids}")
     os.kill(pids[0], signum)
     return pids[0]
 
 
 async def main(args) -> dict:
-    targets = args.targets.split(",")
+    role, fault = FAULTS[args.fault]
+    replicas = (args.drafts if role == "draft" else args.targets).split(",")
     async with grpc.aio.insecure_channel(args.server) as channel:
         client = specdecode_pb2_grpc.SpecDecodeStub(channel)
         clean = await run(client, args.requests, args.tokens, args.streams, "chaos")
         print(f"fault-free run: {sum('tokens' in r for r in clean)} of {args.requests} completed", flush=True)
         faulted = asyncio.create_task(run(client, args.requests, args.tokens, args.streams, "chaos"))
         await asyncio.sleep(args.kill_after)
-        victim = await busiest(channel)
-        pid = kill(victim, signal.SIGKILL)
-        print(f"SIGKILL to the target replica {victim} (pid {pid})", flush=True)
+        victim = await busiest(channel, role)
+        pid = kill(victim, signal.SIGSTOP if args.fault == "stop" else signal.SIGKILL, role)
+        print(f"{args.fault} to the {role} replica {victim} (pid {pid})", flush=True)
+        if args.fault == "stop":
+            await asyncio.sleep(args.stop_for)
+            os.kill(pid, signal.SIGCONT)
+            print(f"SIGCONT after {args.stop_for:g} s", flush=True)
         results = await faulted
-    await asyncio.sleep(2)
-    survivors = {address: await live_sessions(address) for address in targets if address != victim}
+    await asyncio.sleep(args.settle)  # a thawed replica rejoins (health SERVING), and its left sessions are released
+    counted = [address for address in replicas if args.fault == "stop" or address != victim]
+    survivors = {address: await live_sessions(address, role) for address in counted}
     moved = [r["seconds"] for r in results if r.get("migrations")]
     others = [r["seconds"] for r in results if "tokens" in r and not r.get("migrations")]
     report = {
-        "fault": "SIGKILL one target replica mid-run",
+        "fault": fault,
         "victim": victim,
         "requests": args.requests,
         "streams": args.streams,
@@ -119,6 +134,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--server", default="127.0.0.1:50051")
     parser.add_argument("--targets", required=True, help="the target replicas, comma-separated (for their sessions)")
+    parser.add_argument("--drafts", default="", help="the draft replicas, comma-separated (for --fault draft-kill)")
+    parser.add_argument("--fault", choices=FAULTS, default="kill")
+    parser.add_argument("--stop-for", type=float, default=10.0, help="seconds a stopped replica stays stopped")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds after the run before sessions are counted")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=128)

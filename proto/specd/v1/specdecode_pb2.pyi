@@ -116,7 +116,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds", "step_draft_seconds", "step_verify_seconds", "drafter", "lookup_steps", "lookup_drafted", "lookup_accepted", "ahead_steps", "ahead_ready", "ahead_late", "ahead_wasted_tokens", "ahead_hidden_seconds", "target", "draft", "migrations")
+    __slots__ = ("draft_tokens", "steps", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "accepted_per_position", "draft_seconds", "verify_seconds", "other_seconds", "tokens_per_s", "resyncs", "time_to_first_token_s", "adaptive", "draft_lengths", "drafting_steps", "network_seconds", "step_draft_seconds", "step_verify_seconds", "drafter", "lookup_steps", "lookup_drafted", "lookup_accepted", "ahead_steps", "ahead_ready", "ahead_late", "ahead_wasted_tokens", "ahead_hidden_seconds", "target", "draft", "migrations", "draft_moves")
     DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class SpeculationStats(_message.Message):
     TARGET_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FIELD_NUMBER: _ClassVar[int]
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_MOVES_FIELD_NUMBER: _ClassVar[int]
     draft_tokens: int
     steps: int
     drafted: int
@@ -179,7 +180,8 @@ class SpeculationStats(_message.Message):
     target: str
     draft: str
     migrations: int
-    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ..., step_draft_seconds: _Optional[_Iterable[float]] = ..., step_verify_seconds: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., lookup_steps: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., ahead_steps: _Optional[int] = ..., ahead_ready: _Optional[int] = ..., ahead_late: _Optional[int] = ..., ahead_wasted_tokens: _Optional[int] = ..., ahead_hidden_seconds: _Optional[float] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., migrations: _Optional[int] = ...) -> None: ...
+    draft_moves: int
+    def __init__(self, draft_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., draft_seconds: _Optional[float] = ..., verify_seconds: _Optional[float] = ..., other_seconds: _Optional[float] = ..., tokens_per_s: _Optional[float] = ..., resyncs: _Optional[int] = ..., time_to_first_token_s: _Optional[float] = ..., adaptive: _Optional[bool] = ..., draft_lengths: _Optional[_Iterable[int]] = ..., drafting_steps: _Optional[int] = ..., network_seconds: _Optional[float] = ..., step_draft_seconds: _Optional[_Iterable[float]] = ..., step_verify_seconds: _Optional[_Iterable[float]] = ..., drafter: _Optional[str] = ..., lookup_steps: _Optional[int] = ..., lookup_drafted: _Optional[int] = ..., lookup_accepted: _Optional[int] = ..., ahead_steps: _Optional[int] = ..., ahead_ready: _Optional[int] = ..., ahead_late: _Optional[int] = ..., ahead_wasted_tokens: _Optional[int] = ..., ahead_hidden_seconds: _Optional[float] = ..., target: _Optional[str] = ..., draft: _Optional[str] = ..., migrations: _Optional[int] = ..., draft_moves: _Optional[int] = ...) -> None: ...
 
 class OrchestratorInfo(_message.Message):
     __slots__ = ("draft", "target", "default_draft_tokens", "workers", "adaptive_draft_tokens", "max_draft_tokens", "drafter", "draft_ahead")
