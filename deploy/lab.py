@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specd.deploy.delay_proxy import DelayProxy
-from specd.deploy.local import free_port
+from specd.deploy.local import REPLICA_PORT_STEP, free_port
 from specd.orchestrator.remote import wait_until_serving
 
 ROLES = ("orchestrator", "draft", "target")  # the orchestrator host runs the Ray head
@@ -189,6 +189,7 @@ class LabConfig:
     namespaces: bool = True  # False: the loopback variant
     up_flags: list[str] = field(default_factory=list)  # more `specd up` flags
     cpus: dict[str, str] = field(default_factory=dict)  # role -> its host's CPUs (split_cores); namespaced only
+    target_replicas: int = 1  # on the target host, each behind a proxy of its own (`proxies["target-<i>"]`)
 
 
 class Lab:
@@ -296,10 +297,14 @@ class Lab:
         """Proxies, then `specd up --ray-address` on the orchestrator host; returns the orchestrator's address."""
         config = self.config
         ports = {name: free_port() for name in ("draft", "target", "port", "http", "metrics", "dm", "tm")}
-        for role in ("draft", "target"):
-            self.proxies[role] = DelayProxy(f"{self.hosts[role].ip}:{ports[role]}", config.rtt_ms)
-            via = await self.proxies[role].start(self.router_ip)
-            ports[f"{role}_via"] = via
+        for role, count in (("draft", 1), ("target", config.target_replicas)):
+            vias = []
+            for replica in range(count):  # replica i listens on the role's port + REPLICA_PORT_STEP i
+                name = role if replica == 0 else f"{role}-{replica}"
+                upstream = f"{self.hosts[role].ip}:{ports[role] + REPLICA_PORT_STEP * replica}"
+                self.proxies[name] = DelayProxy(upstream, config.rtt_ms)
+                vias.append(await self.proxies[name].start(self.router_ip))
+            ports[f"{role}_via"] = ",".join(vias)
         argv = [
             sys.executable,
             "-m",
@@ -329,6 +334,7 @@ class Lab:
             str(ports["dm"]),
             "--target-metrics-port",
             str(ports["tm"]),
+            *(["--target-replicas", str(config.target_replicas)] if config.target_replicas > 1 else []),
             *(["--dtype", config.dtype] if config.dtype else []),
             *config.up_flags,
         ]
