@@ -3,18 +3,19 @@ does it: the orchestrator holds every token a request has streamed, so when its 
 (UNAVAILABLE past a short retry: dead, cut off, restarting) the pool sends it again to another
 serving replica with those tokens (`GenerationRequest.resumed`): a new session there prefills the
 prompt and the output so far (from the prefix cache where that replica has the prompt) and the
-generation goes on from the next position. The client's stream just continues. Exact, greedy or
-sampled: the target decides every token, and its sampling draws are keyed by the seed and the
-position (docs/architecture.md §3), so the moved request emits the tokens it would have emitted.
+generation goes on from the next position. The client's stream just continues. Greedy, the moved
+request emits the tokens it would have emitted; sampled, the target's draws are keyed by the seed
+and the position (docs/architecture.md §3), so with speculation off it emits them too, and while
+speculating (which draws are made depends on the guesses) it keeps the exact distribution.
 
 `Progress`, one per request: the tokens streamed so far and the moves made, and whether a failure
-moves it (`moves_on`): a target's UNAVAILABLE, fewer than `limit` moves made, another replica serving,
-time left. Where another replica serves, the request gives a failing target up after the policy's
-`failover_retry_s` of retries and a frozen one after its step deadline (faults.py), not after the 30 s
-and 300 s a lone target gets. `Rejoin`, one per pool: a replica that failed (a target, or a draft a
-request left, generation.py) takes no new request until its health says SERVING again; then it
-rejoins, empty, and the sessions the requests that left it held there are released (a frozen replica
-that thaws still holds them).
+moves it (`moves_on`): a target's UNAVAILABLE with another replica serving, or the death of the Ray
+worker actor that ran it, fewer than `limit` moves made, time left. Where another replica serves,
+the request gives a failing target up after the policy's `failover_retry_s` of retries and a frozen
+one after its step deadline (faults.py), not after the 30 s and 300 s a lone target gets. `Rejoin`,
+one per pool: a replica that failed (a target, or a draft a request left, generation.py) takes no
+new request until its health says SERVING again; then it rejoins, empty, and the sessions the
+requests that left it held there are released (a frozen replica that thaws still holds them).
 """
 
 import asyncio
@@ -47,13 +48,14 @@ class Progress:
             self.tokens.extend(event.token_ids)
 
     def moves_on(self, event: Failed, others: bool) -> bool:
-        """Whether this failure moves the request to another target replica (`others`: one serves)."""
+        """Whether this failure moves the request: its target replica failed and another serves
+        (`others`), or the orchestrator worker running it died (another worker, or the same one once
+        Ray restarted it, takes it over on the same replicas)."""
         deadline = self.request.deadline
         return (
-            event.service == "target"
+            ((event.service == "target" and others) or event.service == "worker")
             and event.code == "UNAVAILABLE"
             and self.moves < self.limit
-            and others
             and (deadline is None or deadline > time.time())
         )
 

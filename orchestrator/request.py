@@ -83,7 +83,7 @@ class Failed:
 
     code: str
     message: str
-    service: str = ""  # the model service that failed ("target" or "draft"), where one did
+    service: str = ""  # what failed: a model service ("target" or "draft"), or the pool's "worker" actor
 
     @property
     def retry_after_s(self) -> float | None:
@@ -124,7 +124,7 @@ class Stats:
     time_to_first_token_s: float = 0.0
     completion_tokens: int = 0
     resyncs: int = 0
-    migrations: int = 0  # times the pool moved the request to another target replica (migration.py)
+    migrations: int = 0  # times the pool moved the request off a failed target replica or worker (migration.py)
     draft_moves: int = 0  # times it left a failed draft replica for another (generation.py move_draft)
     ahead_steps: int = 0  # steps that drafted the next step ahead during their verify (ahead.py)
     ahead_ready: int = 0  # steps that took guesses drafted ahead (no Propose to wait for)

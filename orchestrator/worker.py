@@ -4,8 +4,9 @@ Each GenerationWorker is an async Ray actor holding its own gRPC channels to the
 target (the target alone where the orchestrator runs without a draft, remote.py); it runs many
 requests concurrently (one Generation each) and streams events back through a Ray streaming
 generator. Ray places and restarts the actors; the pool only picks the least busy one, refuses
-requests past its limit (RESOURCE_EXHAUSTED), and ends a request whose actor died with UNAVAILABLE
-(the actor restarts and serves the next requests).
+requests past its limit (RESOURCE_EXHAUSTED), and carries a request whose actor died on to another
+(or to the same one, restarted) from the tokens it streamed, as it moves one off a failed target
+replica (migration.py); with `--migration-limit 0` the request ends UNAVAILABLE instead.
 
 The target and the draft may each be a pool of replicas (`target_address` "host:port,host:port,...",
 and so `draft_address`): the pool routes each new request to a target replica and, where its drafter
@@ -231,17 +232,19 @@ class WorkerPool:
             if moved is None:
                 return
             progress.moves += 1
-            self.rejoin.failed("target", attempt.target, attempt.session_id)
+            failed = attempt.target if moved.service == "target" else "an orchestrator worker"
+            if moved.service == "target":
+                self.rejoin.failed("target", attempt.target, attempt.session_id)
             log.warning(
-                "target replica %s failed a request after %d output tokens (%s): moving it, move %d of %d",
-                attempt.target,
+                "%s failed a request after %d output tokens (%s): moving it, move %d of %d",
+                failed,
                 len(progress.tokens),
                 moved.message,
                 progress.moves,
                 progress.limit,
             )
             if self.metrics:
-                self.metrics.migrated("target")
+                self.metrics.migrated(moved.service)
 
     def _draft_moved(self, event: Rebound, session_id: str) -> None:
         """A request left draft replica `event.failed` for `event.draft`: its load moves, and the failed
@@ -313,6 +316,7 @@ class WorkerPool:
                             f"the orchestrator worker running this request died ({type(error).__name__}); it restarts "
                             f"by itself: retry the request"
                         ),
+                        "worker",  # the pool moves the request on where it may (migration.py)
                     )
                     return
                 # Nothing was sent yet (the actor is still restarting): another actor serves it.

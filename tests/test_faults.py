@@ -394,21 +394,46 @@ async def test_client_cancel_releases_sessions_on_both_services(faults):
     assert await faults.sessions_drain() == (0, 0)
 
 
-async def test_worker_actor_killed_mid_stream_ends_unavailable_and_the_next_request_is_served(faults):
+async def test_worker_actor_killed_mid_stream_the_request_goes_on_where_it_was(faults):
+    """The Ray worker running a request dies mid-stream: the pool carries the request on (the restarted
+    actor, as there is one) from the tokens it streamed, as it moves one off a failed target replica."""
+    expected = await baseline(faults.client, 200)
     faults.recorder.delay = 0.02
     actor = faults.orchestrator.pool.actors[0]
-    with pytest.raises(grpc.aio.AioRpcError) as caught:
-        tokens = 0
-        async for reply in faults.client.Generate(request(4, 1000)):
-            tokens += len(reply.delta.token_ids)
-            if tokens > 10:
-                ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+    tokens, killed, final = [], False, None
+    async for reply in faults.client.Generate(request(4, 200)):
+        tokens += reply.delta.token_ids
+        if len(tokens) > 10 and not killed:
+            killed = True
+            ray.kill(actor, no_restart=False)  # Ray restarts it (max_restarts=-1)
+        if reply.HasField("final"):
+            final = reply.final
     faults.recorder.delay = 0.0
-    print(f"worker killed: {caught.value.code().name}: {caught.value.details()}")
-    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "worker running this request died" in caught.value.details()
-    assert await faults.sessions_drain() == (0, 0)  # the pool released the dead worker's sessions
-    assert len(await baseline(faults.client, 8)) == 8  # the restarted actor serves
+    assert tokens == expected  # not a token lost, repeated or changed
+    assert final.stats.migrations == 1
+    metric = faults.orchestrator.metrics.registry.get_sample_value("specd_migrations_total", {"role": "worker"})
+    assert metric == 1
+    assert await faults.sessions_drain() == (0, 0)  # the dead worker's sessions were released
+
+
+async def test_with_migration_off_a_killed_worker_actor_ends_its_request_unavailable(faults):
+    client = await faults.start_orchestrator(migration_limit=0)
+    try:
+        faults.recorder.delay = 0.02
+        actor = faults.orchestrator.pool.actors[0]
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            tokens = 0
+            async for reply in client.Generate(request(4, 1000)):
+                tokens += len(reply.delta.token_ids)
+                if tokens > 10:
+                    ray.kill(actor, no_restart=False)
+        faults.recorder.delay = 0.0
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "worker running this request died" in caught.value.details()
+        assert await faults.sessions_drain() == (0, 0)  # the pool released the dead worker's sessions
+        assert len(await baseline(client, 8)) == 8  # the restarted actor serves
+    finally:
+        faults.client = await faults.start_orchestrator()
 
 
 async def test_health_is_serving_everywhere_after_the_faults(faults):
