@@ -8,9 +8,16 @@ sessions stay in their rows between steps, and go back to a cache of their own w
 the rows or they join a larger batch. Everything stays on the device; logits come back there too.
 The prefix cache's copies (`snapshot`, `restore`: model/prefix_cache.py) are KV tensors on the
 device too: a copy from wherever the session sits, and a restored session starts in a cache of its own.
+Exact reuse, as the llama.cpp engine does it: a lone session's prompt (the tokens before those a pass
+keeps logits for) runs in calls cut at every BLOCK_TOKENS-th position of the session, so a block's
+call is the same whether the session was fresh or restored from a prefix up to that block, and the
+kept rows run as one call after them; `reusable` counts only tokens computed that way (not those of a
+padded batch or a static row, whose shapes differ, nor decode steps). At load the engine prefills a
+probe both ways and keeps no prefix if they differ bit for bit (`prefixes_exact`, `_prefix_exact`).
 Not thread-safe: the service's model thread is its only caller.
 """
 
+import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -22,12 +29,15 @@ from specd.model.devices import kv_token_budget
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loaded import LoadedModel, tokenizer_files, tokenizer_fingerprint
+from specd.model.prefix_cache import BLOCK_TOKENS
 from specd.model.static_slot import BATCH_BUCKETS, StaticSlots
 
 # A row of the static slots holds a session of up to this many tokens (the model's own limit if
 # lower); the longest step they graph is a verify of K = 16 (the largest K a service allows by default).
 SLOT_CAPACITY = 16_384
 MAX_GRAPH_TOKENS = 17
+
+log = logging.getLogger("specd.model")
 
 
 class TransformersEngine:
@@ -37,6 +47,7 @@ class TransformersEngine:
         self.loaded = loaded
         self.device = loaded.device
         self.caches: dict[str, DynamicCache] = {}
+        self.canonical: dict[str, int] = {}  # session id -> leading tokens a fresh prefill computes the same
         self.batch: PaddedBatch | None = None  # while a block of passes over several sessions runs
         self.description = ModelDescription(
             name=loaded.name,
@@ -51,6 +62,13 @@ class TransformersEngine:
         capacity = min(SLOT_CAPACITY, loaded.max_positions)
         rows = BATCH_BUCKETS[-1]
         self.slots = StaticSlots(loaded.model, rows, capacity, MAX_GRAPH_TOKENS, graphs=True) if graphs else None
+        self.prefixes_exact = self._prefix_exact()
+        if not self.prefixes_exact:
+            log.warning(
+                "%s on %s: a restored prefix does not give a fresh prefill's logits: no prefix reuse",
+                loaded.name,
+                self.device,
+            )
 
     @property
     def graphs(self) -> int:
@@ -67,6 +85,10 @@ class TransformersEngine:
         try:
             if self.batch is not None:
                 return self.batch.forward(rows)
+            if len(rows) == 1 and rows[0].keep_logits < len(rows[0].tokens):  # a prompt: in canonical calls
+                return [self._forward_one(rows[0])]
+            if any(row.keep_logits < len(row.tokens) for row in rows):
+                return self._heads_first(rows)
             if self.slots is not None and self._arrange(rows):
                 return self.slots.forward([row.tokens for row in rows], [row.keep_logits for row in rows])
             if len(rows) == 1:
@@ -96,19 +118,45 @@ class TransformersEngine:
             self.batch.write_back()
             self.batch = None
 
+    def _heads_first(self, rows: list[Row]) -> list[torch.Tensor]:
+        """Several rows, some with a head (tokens before those whose logits they keep): each head alone,
+        in a lone prompt's canonical calls (what the prefix cache may reuse), then the kept positions
+        together. On a failure every session is cut back to where it was."""
+        before = {row.session_id: self.held(row.session_id) for row in rows}
+        try:
+            for row in rows:
+                if (head := len(row.tokens) - row.keep_logits) > 0:
+                    self._forward_one(Row(row.session_id, row.tokens[:head], 0))
+            kept = [
+                Row(row.session_id, row.tokens[-row.keep_logits :], row.keep_logits) for row in rows if row.keep_logits
+            ]
+            logits = iter(self.forward(kept) if kept else [])
+        except BaseException:
+            for session_id, length in before.items():
+                self.crop(session_id, length)
+            raise
+        empty = torch.empty(0, self.description.vocab_size, device=self.device)
+        return [next(logits) if row.keep_logits else empty for row in rows]
+
     def _forward_one(self, row: Row) -> torch.Tensor:
         if not row.tokens:
             return torch.empty(0, self.description.vocab_size, device=self.device)
         cache = self._cache(row.session_id)
         length = cache.get_seq_length()
+        head = len(row.tokens) - row.keep_logits
+        # From a block boundary the session reached canonically: the head in one call per block (_cuts)
+        canonical = self.canonical.get(row.session_id, 0) == length and length % BLOCK_TOKENS == 0
+        cuts = _cuts(length, head, len(row.tokens)) if canonical else [0, len(row.tokens)]
         try:
-            hidden = self.loaded.model.model(
-                input_ids=torch.tensor([row.tokens], dtype=torch.long, device=self.device), cache=cache, use_cache=True
-            ).last_hidden_state
+            for start, end in zip(cuts, cuts[1:]):
+                tokens = torch.tensor([row.tokens[start:end]], dtype=torch.long, device=self.device)
+                hidden = self.loaded.model.model(input_ids=tokens, cache=cache, use_cache=True).last_hidden_state
         except torch.OutOfMemoryError:
             _crop(cache, length)  # the layers that took the new KV give it back
             raise
-        return self.loaded.model.lm_head(hidden[0, len(row.tokens) - row.keep_logits :]).float()
+        if canonical:
+            self.canonical[row.session_id] = length + head
+        return self.loaded.model.lm_head(hidden[0, hidden.shape[1] - row.keep_logits :]).float()
 
     def _arrange(self, rows: list[Row]) -> bool:
         """Put the pass's sessions in static rows 0..B-1, in order, if they fit; False if not."""
@@ -145,6 +193,8 @@ class TransformersEngine:
 
     def crop(self, session_id: str, length: int) -> None:
         self._check_no_block("crop")
+        if length < self.canonical.get(session_id, 0):  # the cut block was computed for a longer head
+            self.canonical[session_id] = length // BLOCK_TOKENS * BLOCK_TOKENS
         if self.slots is not None and self.slots.row_of(session_id) is not None:
             self.slots.set_length(session_id, length)
             return
@@ -156,13 +206,19 @@ class TransformersEngine:
         if self.slots is not None and self.slots.row_of(session_id) is not None:
             self.slots.forget(session_id)
         self.caches.pop(session_id, None)
+        self.canonical.pop(session_id, None)
 
     # -- the prefix cache's copies (model/prefix_cache.py) ---------------------------------------
 
     def reusable(self, session_id: str) -> int:
-        """All the session's cached tokens (0 for an unknown session): restored, they give the logits a
-        fresh prefill would, equal in float32 up to the rounding of other batch shapes (each token's KV
-        depends only on the tokens before it; tests/test_prefix_transformers.py)."""
+        """The session's leading tokens that lone prefill calls computed, from token 0 or from a restored
+        prefix, up to the end of a head (`_forward_one`): restored, they give bit for bit the logits a
+        fresh prefill of them would, where the load-time probe found so (`prefixes_exact`; else 0).
+        Never a decode step's or a verify's tokens, nor those of a padded batch or a static row."""
+        return min(self.canonical.get(session_id, 0), self.held(session_id)) if self.prefixes_exact else 0
+
+    def held(self, session_id: str) -> int:
+        """All the session's cached tokens, wherever they sit (0 for an unknown session)."""
         if self.batch is not None and session_id in self.batch.caches:
             return self.batch.positions[list(self.batch.caches).index(session_id)]
         if self.slots is not None and self.slots.row_of(session_id) is not None:
@@ -171,13 +227,29 @@ class TransformersEngine:
         return cache.get_seq_length() if cache is not None else 0
 
     @torch.inference_mode()
+    def _prefix_exact(self) -> bool:
+        """Whether a session restored from a prefix's snapshot, then prefilled on, scores bit for bit as
+        a fresh prefill of the same tokens (`reusable`'s premise), on this device and these weights."""
+        tokens = [(11 * i + 5) % self.description.vocab_size for i in range(2 * BLOCK_TOKENS + 3)]
+        self.prefixes_exact = True  # for the probe's own snapshot
+        fresh = self._forward_one(Row("probe", tokens, 1))
+        state = self.snapshot("probe", len(tokens) - 1)
+        self.release("probe")
+        exact = True
+        for held in (BLOCK_TOKENS, len(tokens) - 1):  # the first block of the head's two; the head whole
+            self.restore("probe", state, held)
+            exact = exact and torch.equal(fresh, self._forward_one(Row("probe", tokens[held:], 1)))
+            self.release("probe")
+        return exact
+
+    @torch.inference_mode()
     def snapshot(self, session_id: str, length: int) -> "KVSnapshot":
         """A copy of the KV of the session's first `length` tokens, from wherever it sits (its own
         cache, or its static row, which it keeps): device memory on a GPU, like the sessions' KV.
         The copy is the caller's: nothing the session does later changes it. Not inside a block of
         passes over several sessions (their KV is in the padded batch until it ends)."""
         self._check_no_block("snapshot")
-        held = self.reusable(session_id)
+        held = self.held(session_id)
         if not 0 <= length <= held:
             raise ValueError(f"session {session_id!r} holds {held} tokens: no snapshot of {length}")
         try:
@@ -201,7 +273,7 @@ class TransformersEngine:
         passes take it as any cache: alone, in a padded batch, or into a static row. Not inside a
         block of passes over several sessions."""
         self._check_no_block("restore")
-        if self.reusable(session_id):
+        if self.held(session_id):
             raise RuntimeError(f"session {session_id!r} already holds KV: restore starts a session")
         if not 0 <= length <= snapshot.length:
             raise ValueError(f"the snapshot holds {snapshot.length} tokens, not {length}")
@@ -211,6 +283,7 @@ class TransformersEngine:
             # DynamicLayer.update concatenates onto an empty tensor: each layer gets a copy of its own.
             layers = [(keys[None, :, :length], values[None, :, :length]) for keys, values in snapshot.layers()]
             self.caches[session_id] = DynamicCache(ddp_cache_data=layers) if length else DynamicCache()
+            self.canonical[session_id] = length  # the snapshot's tokens came from canonical prefill calls
         except torch.OutOfMemoryError:
             self.caches.pop(session_id, None)
             raise self._out_of_memory(f"a cached prefix of {length} tokens") from None
@@ -253,6 +326,14 @@ class KVSnapshot:
     def layers(self):
         """(keys, values) [kv heads, length, head dim] of each layer, views of the snapshot."""
         return zip(self.keys.unbind(0), self.values.unbind(0))
+
+
+def _cuts(start: int, head: int, length: int) -> list[int]:
+    """Where a lone row's calls begin and end (offsets in its `length` tokens, the session holding
+    `start`): the head's tokens cut at every BLOCK_TOKENS-th position of the session, then the rest
+    (the rows whose logits are kept) in one call."""
+    inner = range(BLOCK_TOKENS - start % BLOCK_TOKENS, head, BLOCK_TOKENS)
+    return sorted({0, *inner, head, length})
 
 
 def _crop(cache: DynamicCache, length: int) -> None:

@@ -1,8 +1,9 @@
 """The transformers engine's part of the prefix cache (model/engine.py `reusable`, `snapshot`,
 `restore`; docs/architecture.md §4, the prefix cache): a session restored from a snapshot of a
 prefix, then forwarded over the rest of the prompt, gives the logits a fresh session forwarded over
-the whole prompt gives, in float32, from a session's own DynamicCache and from its static row,
-alone, in a padded batch and through CUDA graphs (the `gpu` test)."""
+the whole prompt gives: bit for bit alone (both prefill in the same block calls, and the engine's
+load-time probe found them equal), in float32 up to other shapes' rounding in a padded batch, from
+a session's own DynamicCache and from its static row, and through CUDA graphs (the `gpu` test)."""
 
 import pytest
 import torch
@@ -15,9 +16,9 @@ PROMPT = [1000 + (index * 37) % 5000 for index in range(150)]  # two 64-token bl
 PREFIX = 128
 OTHERS = [list(range(2000, 2040)), list(range(3000, 3013))]
 
-# Restored and fresh KV of the same tokens come from prefill passes of other lengths (128 and 150
-# rows), whose matmuls may round otherwise: float32-equal, not bit for bit (pytest -s prints each
-# comparison's largest difference).
+# In a padded batch beside other sessions a restored session's rows run in matmuls of other shapes
+# than a lone fresh prefill's: float32-equal there, not bit for bit (pytest -s prints each comparison's
+# largest difference). Alone, both run the same block calls: bit for bit (atol 0).
 TOLERANCE = 1e-5
 
 
@@ -59,13 +60,22 @@ def prefilled_source(engine: TransformersEngine, kind: str) -> torch.Tensor:
     return last
 
 
-def test_reusable_is_the_whole_cached_length_and_zero_for_an_unknown_session(tiny_loaded, kind):
+def test_reusable_is_what_prefill_calls_computed_and_zero_for_an_unknown_session(tiny_loaded, kind):
+    """The prompt (its block calls), not the decode steps after it; a crop inside keeps whole blocks."""
     engine = make(tiny_loaded["target"], kind)
+    assert engine.prefixes_exact  # the load-time probe: restored and fresh equal bit for bit on this CPU
     assert engine.reusable("nobody") == 0
     prefilled_source(engine, kind)
-    assert engine.reusable("source") == len(PROMPT) + 2
+    assert engine.reusable("source") == len(PROMPT) and engine.held("source") == len(PROMPT) + 2
     engine.crop("source", 100)
-    assert engine.reusable("source") == 100
+    assert engine.reusable("source") == 64
+
+
+def test_where_the_probe_finds_restored_and_fresh_apart_nothing_is_reusable(tiny_loaded, monkeypatch):
+    monkeypatch.setattr(TransformersEngine, "_prefix_exact", lambda engine: False)
+    engine = make(tiny_loaded["target"], "dynamic")
+    feed(engine, "source", PROMPT, 0)
+    assert not engine.prefixes_exact and engine.reusable("source") == 0 and engine.held("source") == len(PROMPT)
 
 
 def test_a_snapshot_is_a_device_copy_of_the_prefix_and_leaves_the_session_where_it_was(tiny_loaded, kind):
@@ -83,7 +93,7 @@ def test_a_snapshot_is_a_device_copy_of_the_prefix_and_leaves_the_session_where_
         assert torch.equal(snapshot.keys, engine.slots.keys[:, row, :, :PREFIX])
     else:
         assert torch.equal(snapshot.keys[0], engine.caches["source"].layers[0].keys[0, :, :PREFIX])
-    assert engine.reusable("source") == len(PROMPT) + 2
+    assert engine.reusable("source") == len(PROMPT)
     with pytest.raises(ValueError, match="holds"):
         engine.snapshot("source", len(PROMPT) + 3)
     assert engine.snapshot("nobody", 0).nbytes == 0
@@ -96,20 +106,30 @@ def test_a_restored_prefix_then_the_rest_equals_a_fresh_prefill(tiny_loaded, kin
     snapshot = engine.snapshot("source", PREFIX)
     engine.restore("restored", snapshot, PREFIX)
     assert "restored" in engine.caches and engine.reusable("restored") == PREFIX  # a cache of its own
+    # every row kept: a static row runs the restored rest (as a verify would), the fresh prefill runs alone
+    bitwise = 0 if kind == "dynamic" else TOLERANCE
     assert_exact(
         feed(engine, "restored", PROMPT[PREFIX:], len(PROMPT) - PREFIX),
         fresh_rest(engine, "fresh", PROMPT, PREFIX),
         f"{kind} prefill",
+        atol=bitwise,
     )
     for token in (11, 12, 13):
-        assert_exact(feed(engine, "restored", [token], 1), feed(engine, "fresh", [token], 1), f"{kind} decode")
+        got = feed(engine, "restored", [token], 1)
+        assert_exact(got, feed(engine, "fresh", [token], 1), f"{kind} decode", atol=bitwise)
     # a shorter restore of the same snapshot: one block
     engine.restore("one-block", snapshot, 64)
     assert_exact(
         feed(engine, "one-block", PROMPT[64:], len(PROMPT) - 64),
         fresh_rest(engine, "fresh-64", PROMPT, 64),
         f"{kind} prefill",
+        atol=bitwise,
     )
+    # as a service restores: the rest of the prompt with its last position's logits, then decode steps
+    engine.restore("as-served", snapshot, PREFIX)
+    fresh = feed(engine, "fresh-served", PROMPT, 1)
+    assert_exact(feed(engine, "as-served", PROMPT[PREFIX:], 1), fresh, f"{kind} served prefill", atol=0)
+    assert engine.reusable("as-served") == engine.reusable("fresh-served") == len(PROMPT) - 1
 
 
 def test_a_snapshot_from_a_static_row_restores_in_a_plain_engine_and_back(tiny_loaded):
@@ -198,7 +218,8 @@ def test_a_restored_session_runs_in_a_padded_batch_and_a_block_of_passes(tiny_lo
         steps = [engine.forward([Row(session_id, [70 + step], 1) for session_id in ids])[0] for step in range(3)]
     for step, logits in enumerate(steps):
         assert_exact(logits, feed(engine, "fresh", [70 + step], 1), f"{kind} padded batch")
-    assert engine.reusable("restored") == len(PROMPT) + 3
+    assert engine.held("restored") == len(PROMPT) + 3
+    assert engine.reusable("restored") == PREFIX  # the rest ran in a padded batch: not what a fresh prefill runs
 
 
 def test_restore_starts_a_session_only(tiny_loaded, kind):
@@ -248,3 +269,15 @@ def test_static_rows_restore_equals_a_fresh_prefill_through_cuda_graphs(tiny_on,
     assert (engine.graphs > 0) == (device == "cuda")
     engine.release("source")
     assert torch.equal(snapshot.keys, kept[0]) and torch.equal(snapshot.values, kept[1])
+
+
+def test_heads_in_a_shared_pass_run_alone_first_and_are_reusable_bit_for_bit(tiny_loaded, kind):
+    """Two prompts and a decode step in one pass: each head runs in its own canonical calls (then the
+    kept rows together), so it is reusable, and a session restored from it scores as a lone fresh prefill."""
+    engine = make(tiny_loaded["target"], kind)
+    feed(engine, "decoding", OTHERS[0], 1)
+    engine.forward([Row("a", PROMPT, 1), Row("b", OTHERS[1], 1), Row("decoding", [5], 1)])
+    assert engine.reusable("a") == len(PROMPT) - 1 and engine.reusable("b") == len(OTHERS[1]) - 1
+    engine.restore("restored", engine.snapshot("a", PREFIX), PREFIX)
+    got = feed(engine, "restored", PROMPT[PREFIX:], 1)
+    assert_exact(got, feed(engine, "fresh", PROMPT, 1), f"{kind} head of a shared pass", atol=0)
