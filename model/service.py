@@ -28,10 +28,16 @@ class ModelService:
             limits = replace(limits, max_session_tokens=engine.description.max_positions)
         if engine.description.max_sessions is not None and limits.max_sessions > engine.description.max_sessions:
             limits = replace(limits, max_sessions=engine.description.max_sessions)
+        budget = engine.kv_token_budget() if limits.max_cached_tokens == AUTO_CACHED_TOKENS else None
         if limits.max_cached_tokens == AUTO_CACHED_TOKENS:  # no --max-cached-tokens: what the device's memory holds
-            limits = replace(limits, max_cached_tokens=engine.kv_token_budget() or Limits().max_cached_tokens)
+            limits = replace(limits, max_cached_tokens=budget or Limits().max_cached_tokens)
         if limits.prefix_cache_tokens == AUTO_PREFIX_TOKENS:
             limits = replace(limits, prefix_cache_tokens=min(AUTO_PREFIX_MOST, limits.max_cached_tokens // 4))
+        if budget and getattr(engine, "copies_take_kv_memory", False):
+            # the prefix cache's copies take the device memory the sessions' KV would (a GPU): the
+            # sessions get what the copies leave, a token of either costing the same bytes
+            sessions = max(budget - limits.prefix_cache_tokens, budget // 2)
+            limits = replace(limits, max_cached_tokens=sessions, prefix_cache_tokens=budget - sessions)
         self.engine = engine
         self.limits = limits
         self.store = SessionStore(engine, limits)

@@ -22,7 +22,7 @@ from specd.model.transformers_engine import TransformersEngine
 from specd.orchestrator.generation import Generation, GenerationRequest
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.contract import fingerprint
-from specd.proto.limits import Limits
+from specd.proto.limits import AUTO_PREFIX_TOKENS, Limits
 from specd.serving.messages import q_row_from_proto, q_row_to_proto
 from specd.target_service.verifier import Verifier, VerifyCall
 from specd.v1 import common_pb2, target_pb2_grpc
@@ -83,6 +83,20 @@ def test_the_kv_budget_comes_from_device_memory_when_no_limit_is_given(tiny_on, 
         per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head dim 16, float32
         assert 0 < service.limits.max_cached_tokens <= free // per_token
     assert Verifier(engine, Limits(max_cached_tokens=1234)).limits.max_cached_tokens == 1234
+
+
+@pytest.mark.parametrize("prefix", [AUTO_PREFIX_TOKENS, 1000, 0])
+def test_on_a_device_whose_kv_the_prefix_cache_shares_its_tokens_come_out_of_the_automatic_budget(
+    tiny_loaded, monkeypatch, prefix
+):
+    """A GPU's budget, as the transformers engine reports it there (stood in for on a CPU): the
+    sessions and the prefix cache's copies split it, never both the whole of it."""
+    monkeypatch.setattr(TransformersEngine, "kv_token_budget", lambda engine: 100_000)
+    limits = Verifier(
+        TransformersEngine(tiny_loaded["target"]), Limits(max_cached_tokens=0, prefix_cache_tokens=prefix)
+    ).limits
+    expected_prefix = 16_384 if prefix == AUTO_PREFIX_TOKENS else prefix
+    assert (limits.prefix_cache_tokens, limits.max_cached_tokens) == (expected_prefix, 100_000 - expected_prefix)
 
 
 def prefilled(service):
