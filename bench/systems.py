@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specd.bench.figures import SYSTEMS, build_report
+from specd.deploy.roles import RoleConfig
 
 QUICK_PROMPTS = 4
 QUICK_TOKENS = 32
@@ -69,17 +70,12 @@ class BenchSettings:
     draft_tokens: int | None = None  # None: adaptive (the orchestrator chooses K every step)
     lookup_tokens: int = LOOKUP_TOKENS  # hf_lookup's prompt_lookup_num_tokens
     drafter: str = ""  # specd_spec's drafter (orchestrator/lookup.py); "": the server's (hybrid)
-    draft_quantize: str | None = None  # the draft service's --quantize (None: its default)
     dtype: str | None = None  # None: load_model's default for the target's device
-    device: str = "auto"  # the target's --device: specd's target service and the HF target (model/devices.py)
-    draft_device: str = "auto"  # the draft's: specd's draft service and HF's assistant model
-    draft_cuda_graphs: str | None = None  # each service's --cuda-graphs (None: its default, auto)
-    target_cuda_graphs: str | None = None
-    draft_engine: str | None = None  # each service's --engine (None: its default, auto); HF's run transformers
-    target_engine: str | None = None
+    # Each role's model and service settings (deploy/roles.py; None: the service's default, auto). The
+    # devices are the HF baselines' too (the target and HF's assistant model); HF's run transformers.
+    draft: RoleConfig = field(default_factory=lambda: RoleConfig("draft"))
+    target: RoleConfig = field(default_factory=lambda: RoleConfig("target"))
     threads: int | None = None
-    draft_model: str = "draft"
-    target_model: str = "target"
     server: str | None = None  # a running orchestrator instead of a LocalStack
     peers: dict[str, str] = field(default_factory=dict)  # name -> URL of an OpenAI-compatible server, a system each
     timeout: float = 600.0  # seconds per specd request
@@ -280,17 +276,14 @@ async def run_bench(
     """Start what is needed, run the interleaved benchmark, return the report (`report.build_report`).
 
     `models`: an already loaded (draft, target) pair of LoadedModel to use for the HF systems, on
-    the devices they are on (default: load settings.draft_model / target_model in settings.dtype
-    here, the target on settings.device and the draft on settings.draft_device, as specd's services
-    place them, so HF and specd compute on the same GPU).
+    the devices they are on (default: load settings.draft.model / target.model in settings.dtype
+    here, each on its role's device, as specd's services place them, so HF and specd compute on the
+    same GPU).
     """
     from specd.model.devices import resolve_device
     from specd.model.loading import default_dtype, load_model
 
-    devices = {
-        "draft": resolve_device("draft", settings.draft_device),
-        "target": resolve_device("target", settings.device),
-    }
+    devices = {role: resolve_device(role, getattr(settings, role).device or "auto") for role in ("draft", "target")}
     dtype = settings.dtype or default_dtype(devices["target"])
     environment = {"load_average_before": _load_average()}
     stack, peers = None, {name: PeerSystem(name, url, settings.timeout) for name, url in settings.peers.items()}
@@ -303,18 +296,7 @@ async def run_bench(
 
             stack = LocalStack(
                 StackConfig(
-                    dtype=dtype,
-                    threads=settings.threads,
-                    draft_model=settings.draft_model,
-                    target_model=settings.target_model,
-                    workers=1,
-                    draft_quantize=settings.draft_quantize,
-                    draft_device=settings.draft_device,
-                    target_device=settings.device,
-                    draft_cuda_graphs=settings.draft_cuda_graphs,
-                    target_cuda_graphs=settings.target_cuda_graphs,
-                    draft_engine=settings.draft_engine,
-                    target_engine=settings.target_engine,
+                    dtype=dtype, threads=settings.threads, draft=settings.draft, target=settings.target, workers=1
                 ),
                 say=say,
             )
@@ -322,12 +304,12 @@ async def run_bench(
             address = stack.address
         if models is None:
             say(
-                f"loading the HF baselines ({settings.draft_model} on {devices['draft']}, "
-                f"{settings.target_model} on {devices['target']}) in {dtype}"
+                f"loading the HF baselines ({settings.draft.model} on {devices['draft']}, "
+                f"{settings.target.model} on {devices['target']}) in {dtype}"
             )
             models = (
-                load_model(settings.draft_model, dtype, settings.threads, device=devices["draft"]),
-                load_model(settings.target_model, dtype, settings.threads, device=devices["target"]),
+                load_model(settings.draft.model, dtype, settings.threads, device=devices["draft"]),
+                load_model(settings.target.model, dtype, settings.threads, device=devices["target"]),
             )
         hf = HFSystems(*models)
         runs = await _run_all(settings, hf, address, advance, say, peers)

@@ -36,6 +36,7 @@ from specd.cli.common import (
     add_stack_device_flags,
     check_stack_devices,
     draft_tokens_flag,
+    roles_from_args,
     write_report,
 )
 
@@ -162,22 +163,14 @@ def _settings(args):
         max_new_tokens=tokens,
         draft_tokens=args.draft_tokens,
         drafter=args.drafter or "",
-        draft_quantize=args.draft_quantize,
         dtype=args.dtype,
         threads=args.threads,
-        draft_model=args.draft_model,
-        target_model=args.target_model,
+        **roles_from_args(args, graphs),
         server=args.server,
         peers=peers,
         timeout=args.timeout,
         prompts_file=str(prompts_file),
         quick=args.quick,
-        device=args.device,
-        draft_device=args.draft_device,
-        draft_cuda_graphs=graphs["draft"],
-        target_cuda_graphs=graphs["target"],
-        draft_engine=args.draft_engine,
-        target_engine=args.engine,
     )
 
 

@@ -152,6 +152,31 @@ def add_stack_device_flags(parser: argparse.ArgumentParser, note: str = "", serv
     add_engine_flag(parser, "--draft-engine", "draft service", services_note or note)
 
 
+def roles_from_args(args, graphs: dict[str, str], threads: dict[str, int | None] | None = None) -> dict:
+    """Each role's RoleConfig (deploy/roles.py) from a stack command's flags (up, generate, bench): the
+    draft's --draft-X and the target's --X or --target-X, --cuda-graphs as check_stack_devices resolved
+    it per role, `threads` per role where the command splits them; ports and replicas where it has them."""
+    from specd.deploy.roles import RoleConfig
+
+    def flag(name: str, default=None):
+        return getattr(args, name, default)
+
+    return {
+        role: RoleConfig(
+            model=flag(f"{role}_model"),
+            quantize=flag(f"{role}_quantize"),
+            device=flag("draft_device" if role == "draft" else "device"),
+            cuda_graphs=graphs[role],
+            engine=flag("draft_engine" if role == "draft" else "engine"),
+            threads=(threads or {}).get(role),
+            port=flag(f"{role}_port", 0),
+            metrics_port=flag(f"{role}_metrics_port", 0),
+            replicas=flag(f"{role}_replicas", 1),
+        )
+        for role in ("draft", "target")
+    }
+
+
 def device_choice(flag: str, value: str) -> str:
     """A --device value in its normal form, or a UserError (checked without torch)."""
     choice = (value or "auto").strip().lower()

@@ -8,7 +8,14 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from specd.cli.common import UserError, add_model_flags, add_quantize_flag, add_stack_device_flags, check_stack_devices
+from specd.cli.common import (
+    UserError,
+    add_model_flags,
+    add_quantize_flag,
+    add_stack_device_flags,
+    check_stack_devices,
+    roles_from_args,
+)
 from specd.orchestrator.lookup import DRAFTERS
 from specd.proto.auth import add_client_flags, client_security_from_args
 
@@ -79,16 +86,7 @@ async def _generate(args, graphs: dict[str, str] | None) -> dict:
         config = StackConfig(
             dtype=args.dtype,
             threads=args.threads,
-            draft_model=args.draft_model,
-            target_model=args.target_model,
-            draft_quantize=args.draft_quantize,
-            target_quantize=args.target_quantize,
-            draft_device=args.draft_device,
-            target_device=args.device,
-            draft_cuda_graphs=graphs["draft"],
-            target_cuda_graphs=graphs["target"],
-            draft_engine=args.draft_engine,
-            target_engine=args.engine,
+            **roles_from_args(args, graphs),
             extra_service_flags=["--max-cached-tokens", str(_cached_tokens(args))],
         )
         stack = await LocalStack(config).start()

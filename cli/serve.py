@@ -287,6 +287,7 @@ def let_ggml_threads_spin(args: argparse.Namespace) -> None:
 
 def run_model_service(args: argparse.Namespace) -> int:
     let_ggml_threads_spin(args)  # before torch loads libgomp
+    from specd.deploy.roles import RoleConfig
     from specd.deploy.services import model_server
     from specd.model.cpu_blas import preload_on_amd
     from specd.serving.server import serve_until_signal
@@ -295,18 +296,8 @@ def run_model_service(args: argparse.Namespace) -> int:
     check_service_device(args.role, args)  # one line and exit 2 before anything starts, e.g. no GPU here
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     tracing.setup(args.otlp_endpoint, f"specd-{args.role}")  # before the server: its calls get spans
-    server = model_server(
-        args.role,
-        args.model,
-        args.dtype,
-        args.threads,
-        args.quantize,
-        limits_from_args(args),
-        device=args.device,
-        cuda_graphs=args.cuda_graphs,
-        engine=args.engine,
-        exactness=args.exactness,
-    )
+    settings = RoleConfig(args.model, args.quantize, args.device, args.cuda_graphs, args.engine, args.threads)
+    server = model_server(args.role, settings, args.dtype, limits_from_args(args), args.exactness)
     asyncio.run(
         serve_until_signal(
             server,

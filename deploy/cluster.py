@@ -23,13 +23,14 @@ import asyncio
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specd.deploy.local import REPLICA_PORT_STEP
+from specd.deploy.roles import RoleConfig
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.faults import FaultPolicy
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
@@ -43,18 +44,13 @@ from specd.proto.limits import AUTO_CACHED_TOKENS, Limits
 @dataclass
 class ClusterConfig:
     ray_address: str  # any node of the cluster, e.g. 10.0.0.1:6379, or "auto"
-    draft_model: str = "draft"
-    target_model: str = "target"
+    # Each role's model, engine settings, ports and replicas (deploy/roles.py), resolved on the service's
+    # node: device auto is cuda:0 of the actor when its node (or Ray) gives it a GPU, else cpu; quantize
+    # auto is int4 for a draft without a GPU. Replica i listens on its role's ports + REPLICA_PORT_STEP i.
+    draft: RoleConfig = field(default_factory=lambda: RoleConfig("draft", port=50061, metrics_port=9461))
+    target: RoleConfig = field(default_factory=lambda: RoleConfig("target", port=50062, metrics_port=9462))
     dtype: str | None = None
     threads: int | None = None  # torch threads per model service (default: the node's cores)
-    draft_quantize: str = "auto"  # none, int8, int4 or auto (resolved on the draft's node: int4 without a GPU)
-    target_quantize: str = "auto"
-    draft_device: str = "auto"  # auto, cpu, cuda or cuda:N, resolved on the service's node (model/devices.py)
-    target_device: str = "auto"  # auto: cuda:0 of the actor when its node (or Ray) gives it a GPU, else cpu
-    draft_cuda_graphs: str = "auto"  # auto (on for a CUDA device), on or off
-    target_cuda_graphs: str = "auto"
-    draft_engine: str = "auto"  # auto (llama.cpp on a CPU for a model with a GGUF), transformers or llama.cpp
-    target_engine: str = "auto"
     exactness: str = "bitwise"  # both model services' --exactness (proto/limits.py EXACTNESS)
     # GPUs the target's actor asks Ray for (num_gpus). 0: none in Ray's accounting (Ray 2.60 then leaves
     # CUDA_VISIBLE_DEVICES alone: the actor sees every GPU of its node), except that a target placed by
@@ -73,16 +69,10 @@ class ClusterConfig:
     max_draft_tokens: int = DEFAULT_MAX_DRAFT_TOKENS  # the largest K auto chooses
     drafter: str = DEFAULT_DRAFTER
     otlp_endpoint: str | None = None  # the OpenTelemetry collector every actor sends its spans to; None: off
-    draft_port: int = 50061
-    target_port: int = 50062
     port: int = 50051  # the orchestrator's gRPC port (replica i listens on port + i)
     http_port: int | None = 8000  # its OpenAI-compatible API (+ i); None = gRPC only
     metrics_port: int | None = 9451  # the orchestrator's Prometheus /metrics (+ i); None = off
-    draft_metrics_port: int | None = 9461
-    target_metrics_port: int | None = 9462
-    replicas: int = 1  # orchestrator replicas
-    target_replicas: int = 1  # target services, each an actor Ray places (its own GPU where there are GPUs)
-    draft_replicas: int = 1  # draft services (with a drafter that asks the draft)
+    replicas: int = 1  # orchestrator replicas (a role's: its RoleConfig's; a target's, a GPU each where there are)
     routing: str = ROUTINGS[0]  # how each orchestrator places new requests on the pools (router.py)
     migration_limit: int = MIGRATION_LIMIT  # moves per request off a failed target replica (migration.py)
     workers: int = 2  # generation actors per replica
@@ -123,38 +113,34 @@ class ModelServiceActor:
     def __init__(
         self,
         role: str,
-        model: str,
+        settings: RoleConfig,
         dtype: str | None,
-        threads: int | None,
-        quantize: str,
         limits: Limits,
         port: int,
         metrics_port: int | None,
-        device: str = "auto",
-        cuda_graphs: str = "auto",
-        engine: str = "auto",
         security: ServerSecurity = ServerSecurity(),
         otlp_endpoint: str | None = None,
         exactness: str = "bitwise",
     ):
+        """`settings`: the role's (its model, engine settings and threads); `port` and `metrics_port`:
+        this replica's."""
         from specd.proto import tracing
 
         tracing.setup(otlp_endpoint, f"specd-{role}")  # before the server exists: its calls get spans
         self.port = port
         self.security = security
-        service_options = dict(device=device, cuda_graphs=cuda_graphs, engine=engine, exactness=exactness)
         # Ray runs an async actor's constructor on its event loop, so a restart serves again.
         self.serving = asyncio.get_running_loop().create_task(
-            self._serve(role, model, dtype, threads, quantize, limits, metrics_port, service_options)
+            self._serve(role, settings, dtype, limits, metrics_port, exactness)
         )
 
-    async def _serve(self, role, model, dtype, threads, quantize, limits, metrics_port, service_options) -> None:
+    async def _serve(self, role, settings, dtype, limits, metrics_port, exactness) -> None:
         from specd.deploy.services import model_server
         from specd.proto.metrics import start_exporter
 
         # `device` (and with it the engine `auto` picks) resolves here, in the actor: with num_gpus,
         # Ray has set CUDA_VISIBLE_DEVICES to the GPU(s) it assigned, so auto and cuda mean cuda:0 of those
-        self.server = model_server(role, model, dtype, threads, quantize, limits, **service_options)
+        self.server = model_server(role, settings, dtype, limits, exactness)
         if not await self.server.start(f"0.0.0.0:{self.port}", self.security):
             raise OSError(f"the {role} service could not bind port {self.port}")
         if metrics_port is not None:
@@ -230,10 +216,10 @@ class ClusterStack:
             ray.init(address=config.ray_address, logging_level="WARNING")
         resources = ray.cluster_resources()
         self.say(f"Ray cluster: {len(ray.nodes())} nodes, resources {_summary(resources)}")
-        drafts = config.draft_replicas if config.drafter not in LOOKUP_ONLY else 0  # lookups never call a draft
+        drafts = config.draft.replicas if config.drafter not in LOOKUP_ONLY else 0  # lookups never call a draft
         started = await asyncio.gather(
-            *(self._start_service("draft", config.draft_model, resources, i) for i in range(drafts)),
-            *(self._start_service("target", config.target_model, resources, i) for i in range(config.target_replicas)),
+            *(self._start_service("draft", resources, i) for i in range(drafts)),
+            *(self._start_service("target", resources, i) for i in range(config.target.replicas)),
         )
         pools = {"draft": started[:drafts], "target": started[drafts:]}  # each orchestrator routes over them
         draft_address = (config.draft_address or _pool(pools["draft"])) if drafts else None
@@ -241,39 +227,30 @@ class ClusterStack:
             await self._start_orchestrator(i, draft_address, config.target_address or _pool(pools["target"]), resources)
         return self
 
-    async def _start_service(self, role: str, model: str, resources: dict, replica: int = 0) -> Deployed:
+    async def _start_service(self, role: str, resources: dict, replica: int = 0) -> Deployed:
         """Replica `replica` of `role`: an actor of its own, on the role's ports + REPLICA_PORT_STEP × replica
         (two replicas Ray puts on one node must not share a port)."""
         config = self.config
-        if role == "draft":
-            port, metrics_port, quantize = config.draft_port, config.draft_metrics_port, config.draft_quantize
-            device, graphs, engine, gpus = config.draft_device, config.draft_cuda_graphs, config.draft_engine, 0
-        else:
-            port, metrics_port, quantize = config.target_port, config.target_metrics_port, config.target_quantize
-            device, graphs, engine = config.target_device, config.target_cuda_graphs, config.target_engine
-            gpus = config.target_gpus
-        options = placement(role, resources, gpus)
+        settings = getattr(config, role)
+        settings = replace(settings, threads=settings.threads or config.threads)
+        options = placement(role, resources, config.target_gpus if role == "target" else 0)
         name = f"{role}-{replica}" if replica else role
         actor = ModelServiceActor.options(name=f"specd-{name}", max_restarts=-1, **options).remote(
             role,
-            model,
+            settings,
             config.dtype,
-            config.threads,
-            quantize,
             config.limits,
-            port + REPLICA_PORT_STEP * replica,
-            _plus(metrics_port, REPLICA_PORT_STEP * replica),
-            device,
-            graphs,
-            engine,
+            settings.port + REPLICA_PORT_STEP * replica,
+            _plus(settings.metrics_port, REPLICA_PORT_STEP * replica),
             config.security,
             config.otlp_endpoint,
             exactness=config.exactness,
         )
         deployed = await self._locate(Deployed(name, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
-        where = f"pid {deployed.pid}, --device {device}{gpu_note}, --engine {engine}"
-        self.say(f"{name}: loading {model} on {deployed.address} ({where})")
+        engine = settings.service_options()
+        where = f"pid {deployed.pid}, --device {engine['device']}{gpu_note}, --engine {engine['engine']}"
+        self.say(f"{name}: loading {settings.model} on {deployed.address} ({where})")
         await self._until_serving(deployed, timeout_s=900)
         return deployed
 

@@ -20,6 +20,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specd.deploy.roles import RoleConfig
 from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.host import DEFAULT_DRAIN_SECONDS
@@ -31,29 +32,16 @@ REPLICA_PORT_STEP = 100  # replica i of a role listens on the role's ports + 100
 class StackConfig:
     dtype: str | None = None
     threads: int | None = None  # torch threads of each model service; None: the service's default (all cores)
-    draft_threads: int | None = None  # the draft's own, over `threads`
-    target_threads: int | None = None  # the target's own, over `threads`
-    draft_model: str = "draft"
-    target_model: str = "target"
-    draft_port: int = 0  # 0 picks a free port; with several replicas the first's (REPLICA_PORT_STEP)
-    target_port: int = 0
-    target_replicas: int = 1  # target services, one orchestrator routing requests over them (router.py)
-    draft_replicas: int = 1  # draft services, alike (with a drafter that asks the draft)
+    # Each role's model, engine settings (None: the service's default), threads (over `threads`), ports
+    # (0: free ones; replica i on the first's + REPLICA_PORT_STEP i) and replicas (deploy/roles.py): one
+    # orchestrator routes requests over the replicas of each role (router.py)
+    draft: RoleConfig = field(default_factory=lambda: RoleConfig("draft"))
+    target: RoleConfig = field(default_factory=lambda: RoleConfig("target"))
     port: int = 0  # the orchestrator's
     http_port: int = 0  # the orchestrator's OpenAI-compatible API
-    draft_metrics_port: int = 0  # Prometheus /metrics of each process
-    target_metrics_port: int = 0
-    metrics_port: int = 0
+    metrics_port: int = 0  # its Prometheus /metrics
     ray_address: str | None = None
     workers: int = 2
-    draft_quantize: str | None = None  # None: the service's default (`auto`)
-    target_quantize: str | None = None
-    draft_device: str | None = None  # auto, cpu, cuda or cuda:N; None: the service's default (`auto`)
-    target_device: str | None = None
-    draft_cuda_graphs: str | None = None  # auto, on or off; None: the service's default (`auto`)
-    target_cuda_graphs: str | None = None
-    draft_engine: str | None = None  # auto, transformers or llama.cpp; None: the service's default (`auto`)
-    target_engine: str | None = None
     draft_tokens: int | None = None  # the orchestrator's default K; None: adaptive
     drafter: str | None = None  # the orchestrator's default drafter; None: its own (hybrid); ngram/suffix: no draft
     draft_ahead: str | None = None  # the orchestrator's --draft-ahead; None: its own (auto)
@@ -106,11 +94,11 @@ class LocalStack:
 
     async def start(self) -> "LocalStack":
         config = self.config
-        drafts = [self._service("draft", i) for i in range(config.draft_replicas if config.with_draft else 0)]
-        targets = [self._service("target", i) for i in range(config.target_replicas)]
-        loading = f"the draft ({config.draft_model}) and the target ({config.target_model})"
+        drafts = [self._service("draft", i) for i in range(config.draft.replicas if config.with_draft else 0)]
+        targets = [self._service("target", i) for i in range(config.target.replicas)]
+        loading = f"the draft ({config.draft.model}) and the target ({config.target.model})"
         if not drafts:
-            loading = f"the target ({config.target_model}), no draft: the {config.drafter} drafter only looks up"
+            loading = f"the target ({config.target.model}), no draft: the {config.drafter} drafter only looks up"
         for role, pool in (("draft", drafts), ("target", targets)):
             loading += f"; {len(pool)} {role} replicas" if len(pool) > 1 else ""
         self.say(f"loading {loading}; logs in {self.log_dir}")
@@ -147,27 +135,24 @@ class LocalStack:
         return self
 
     def _service(self, role: str, replica: int = 0) -> Child:
-        """`specd serve draft|target` with this stack's flags for that role (StackConfig's `<role>_*` fields);
-        `replica` > 0: another replica of that role, on the first's ports + REPLICA_PORT_STEP × replica (free
-        ones where those are 0)."""
+        """`specd serve draft|target` with this stack's flags for that role (its RoleConfig); `replica` > 0:
+        another replica of that role, on the first's ports + REPLICA_PORT_STEP × replica (free ones where
+        those are 0)."""
         config = self.config
-
-        def own(field: str):
-            return getattr(config, f"{role}_{field}")
-
+        own = getattr(config, role)
         flags = _flags(
-            threads=own("threads") or config.threads,
-            quantize=own("quantize"),
-            device=own("device"),
-            cuda_graphs=own("cuda_graphs"),
-            engine=own("engine"),
+            threads=own.threads or config.threads,
+            quantize=own.quantize,
+            device=own.device,
+            cuda_graphs=own.cuda_graphs,
+            engine=own.engine,
             otlp_endpoint=config.otlp_endpoint,
             drain_seconds=config.drain_seconds,
             prefix_cache_tokens=config.prefix_cache_tokens,
             exactness=config.exactness,
         )
-        serve_args = [role, "--model", own("model"), *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
-        ports = [port + REPLICA_PORT_STEP * replica if port else 0 for port in (own("port"), own("metrics_port"))]
+        serve_args = [role, "--model", own.model, *_flags(dtype=config.dtype), *flags, *config.extra_service_flags]
+        ports = [port + REPLICA_PORT_STEP * replica if port else 0 for port in (own.port, own.metrics_port)]
         name = f"{role}-{replica}" if replica else role
         return self._spawn(name, *ports, serve_args, config.service_env)
 

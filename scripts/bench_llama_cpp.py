@@ -39,6 +39,7 @@ import requests
 from specd.bench.figures import by_source
 from specd.bench.systems import SpecdSystems, load_prompts
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, free_port, share_cores, usable_cores
+from specd.deploy.roles import RoleConfig
 from specd.model.llama_cpp_engine import ggml_has_amx
 from specd.model.store import find_spec, gguf_path
 from specd.proto.client import channel
@@ -137,11 +138,9 @@ async def main(args) -> dict:
     shared = share_cores(threads)  # as `specd up` shares this machine's cores (docs/deploying/one-machine.md)
     stack = LocalStack(
         StackConfig(
-            draft_engine="llama.cpp",
-            target_engine="llama.cpp",
+            draft=RoleConfig("draft", engine="llama.cpp", threads=shared["draft"]),
+            target=RoleConfig("target", engine="llama.cpp", threads=shared["target"]),
             workers=1,
-            draft_threads=shared["draft"],
-            target_threads=shared["target"],
             service_env=SHARED_CORES_ENV,
         )
     )

@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_llama_cpp import LlamaServer  # noqa: E402
 
 from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig, share_cores, usable_cores  # noqa: E402
+from specd.deploy.roles import RoleConfig  # noqa: E402
 
 
 async def main(args) -> int:
@@ -35,10 +36,8 @@ async def main(args) -> int:
     log_dir = Path(tempfile.mkdtemp(prefix="openai-peers-"))
     stack = LocalStack(
         StackConfig(
-            draft_engine="llama.cpp",
-            target_engine="llama.cpp",
-            draft_threads=shared["draft"],
-            target_threads=shared["target"],
+            draft=RoleConfig("draft", engine="llama.cpp", threads=shared["draft"]),
+            target=RoleConfig("target", engine="llama.cpp", threads=shared["target"]),
             service_env=SHARED_CORES_ENV,
         )
     )

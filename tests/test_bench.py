@@ -227,7 +227,7 @@ def test_quick_takes_the_first_prompts_and_fewer_tokens():
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == systems.QUICK_PROMPTS and settings.max_new_tokens == systems.QUICK_TOKENS
     assert settings.drafter == "ngram"
-    assert (settings.draft_engine, settings.target_engine) == ("llama.cpp", "transformers")  # specd's services'
+    assert (settings.draft.engine, settings.target.engine) == ("llama.cpp", "transformers")  # specd's services'
     args.quick = False
     settings = bench_cli._settings(args)
     assert len(settings.prompts) == 24 and settings.max_new_tokens == systems.DEFAULT_TOKENS

@@ -12,6 +12,7 @@ from test_bench import PNG_SIGNATURE
 
 from specd.bench import report as bench_report
 from specd.bench import systems
+from specd.deploy.roles import RoleConfig
 
 
 def spec(steps, drafted, accepted, per_position, draft_s, verify_s):
@@ -80,7 +81,11 @@ def test_report_figures_from_hand_built_runs():
         ],  # 0.3 s per drafted token
     }
     settings = systems.BenchSettings(
-        prompts=["a", "b"], kinds=["code", "prose"], max_new_tokens=4, draft_tokens=2, draft_engine="llama.cpp"
+        prompts=["a", "b"],
+        kinds=["code", "prose"],
+        max_new_tokens=4,
+        draft_tokens=2,
+        draft=RoleConfig("draft", engine="llama.cpp"),
     )
     report = bench_report.build_report(settings, runs, [[7], [8, 9]])
     assert report["settings"]["engine"] == {"draft": "llama.cpp", "target": None}  # None: the service's default

@@ -21,6 +21,7 @@ from specd.cli.common import UserError, check_stack_devices
 from specd.deploy import cluster
 from specd.deploy.cluster import ModelServiceActor, placement
 from specd.deploy.local import Child, LocalStack, StackConfig, free_port
+from specd.deploy.roles import RoleConfig
 from specd.orchestrator.remote import wait_until_serving
 from specd.proto.limits import Limits
 from specd.v1 import common_pb2, draft_pb2_grpc, target_pb2_grpc
@@ -205,9 +206,10 @@ def test_up_on_a_cluster_hands_each_service_actor_its_engine(monkeypatch):
     args = stack_args("--ray-address", "auto", *ENGINE_FLAGS)
     with pytest.raises(Spawned):
         run_on_cluster(args, check_stack_devices(args, here=False))
-    # the actor's arguments after the ports: device, cuda_graphs, engine (then security, tracing)
-    assert started["draft"][-5:-2] == ("cpu", "auto", "llama.cpp")
-    assert started["target"][-5:-2] == ("cpu", "auto", "transformers")
+    # the actor's role settings (its first argument after the role): device, cuda_graphs, engine
+    for role, engine in (("draft", "llama.cpp"), ("target", "transformers")):
+        settings = started[role][0]
+        assert (settings.device, settings.cuda_graphs, settings.engine) == ("cpu", "auto", engine)
 
 
 def test_a_cluster_pool_gives_each_replica_an_actor_and_ports_of_its_own(monkeypatch):
@@ -227,7 +229,7 @@ def test_a_cluster_pool_gives_each_replica_an_actor_and_ports_of_its_own(monkeyp
             return cls
 
         @classmethod
-        def remote(cls, role, model, dtype, threads, quantize, limits, port, metrics_port, *rest, **keywords):
+        def remote(cls, role, settings, dtype, limits, port, metrics_port, *rest, **keywords):
             spawned.append((cls.name, port, metrics_port))
             return cls
 
@@ -332,7 +334,7 @@ async def test_a_service_actor_hands_device_cuda_graphs_and_engine_to_load_engin
         cases["no GPU"] = ("cuda", "auto", "auto", "DeviceUnavailable", "no CUDA GPU is visible")
     actors = {
         name: ModelServiceActor.options(num_cpus=0).remote(
-            "target", model, "float32", 1, "auto", Limits(), free_port(), None, device, graphs, engine
+            "target", RoleConfig(model, "auto", device, graphs, engine, 1), "float32", Limits(), free_port(), None
         )
         for name, (device, graphs, engine, _, _) in cases.items()
     }

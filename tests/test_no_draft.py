@@ -156,7 +156,7 @@ async def test_a_cluster_deploys_a_draft_only_for_a_drafter_that_asks_it(monkeyp
     (the actors themselves, and Ray, left out)."""
     started, dialled = [], []
 
-    async def start_service(self, role, model, resources, replica=0):
+    async def start_service(self, role, resources, replica=0):
         started.append(role)
         return cluster.Deployed(role, None, address=f"{role}-node:{replica + 1}")
 
