@@ -1,6 +1,6 @@
 """What the orchestrator does for a request, whatever the transport: both APIs go through here.
 
-The gRPC servicer (server.py) and the OpenAI-compatible HTTP API (openai_api.py) only translate:
+The gRPC servicer (grpc_api.py) and the OpenAI-compatible HTTP API (openai_api.py) only translate:
 their request into a specd.v1 GenerateRequest, and the events and stats back. This module owns
 the rest, once: the served pair's facts, validating and tokenizing a request (docs/architecture.md
 §5), running it on the worker pool with its metrics, and the one serialisation of a request's
@@ -11,7 +11,9 @@ greedy output over gRPC).
 import asyncio
 import secrets
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 from tokenizers import Tokenizer
@@ -23,7 +25,6 @@ from specd.orchestrator.lookup import DEFAULT_DRAFTER, DRAFTERS, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.remote import ServicePair
 from specd.orchestrator.request import Failed, GenerationRequest, Stats
-from specd.orchestrator.worker import WorkerPool
 from specd.proto.limits import MAX_CACHE_SALT_CHARS, penalty_problem, q_draft_tokens
 from specd.v1 import common_pb2, specdecode_pb2
 
@@ -45,10 +46,19 @@ class BadRequest(Exception):
         self.param = param
 
 
+class Pool(Protocol):
+    """What the core runs requests on (worker.py WorkerPool; a Protocol, so the core and the transports
+    over it import no Ray): its worker actors, and each request's events."""
+
+    actors: list
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator: ...
+
+
 @dataclass
 class Core:
     pair: ServicePair  # the connected draft (if any) and target, their Info and the target's tokenizer
-    pool: WorkerPool
+    pool: Pool
     default_draft_tokens: int | None = None  # K when a request leaves it unset; None: adaptive
     metrics: OrchestratorMetrics | None = None
     max_prompt_tokens: int | None = None  # longest prompt accepted; None = what a session holds

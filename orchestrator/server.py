@@ -1,4 +1,7 @@
-"""specd.v1.SpecDecode over gRPC: translates between the wire and core.py, which does the work."""
+"""The orchestrator's process: the composition root that connects the pair, starts the Ray workers
+and the core, and hosts both transports over it, gRPC (grpc_api.py: specd.v1.SpecDecode, and the
+Replicas service, scaling.py) and the OpenAI-compatible HTTP API (openai_api.py), with health, drain
+and metrics. Neither transport imports the other."""
 
 import logging
 import time
@@ -9,80 +12,25 @@ from grpc_reflection.v1alpha import reflection
 
 from specd.orchestrator.adaptive import DEFAULT_MAX_DRAFT_TOKENS
 from specd.orchestrator.ahead import DEFAULT_DRAFT_AHEAD
-from specd.orchestrator.core import BadRequest, Core, stats_proto
+from specd.orchestrator.core import Core
 from specd.orchestrator.faults import FaultPolicy
+from specd.orchestrator.grpc_api import REPLICAS_SERVICE_NAME, SERVICE_NAME, SpecDecodeServicer
 from specd.orchestrator.lookup import DEFAULT_DRAFTER, LOOKUP_ONLY
 from specd.orchestrator.metrics import OrchestratorMetrics
 from specd.orchestrator.migration import MIGRATION_LIMIT
 from specd.orchestrator.openai_api import HttpApi
 from specd.orchestrator.remote import connect_pair
-from specd.orchestrator.request import Delta, Failed, Finished
 from specd.orchestrator.router import ROUTINGS
 from specd.orchestrator.scaling import ReplicasServicer
 from specd.orchestrator.worker import WorkerPool, replicas
 from specd.proto.auth import ClientSecurity, ServerSecurity
 from specd.proto.host import DEFAULT_DRAIN_SECONDS, stop_on_signals
-from specd.proto.logprobs import top_logprobs_messages
 from specd.proto.metrics import start_exporter
-from specd.v1 import specdecode_pb2, specdecode_pb2_grpc
+from specd.v1 import specdecode_pb2_grpc
 
-SERVICE_NAME = "specd.v1.SpecDecode"
-REPLICAS_SERVICE_NAME = "specd.v1.Replicas"  # scaling.py: the pools of replicas, changed while serving
-API_LABEL = "grpc"  # the `api` label of this API's requests in the metrics
 STOP_GRACE_S = 1.0  # after the drain, how long gRPC calls still open get before they are cancelled
 
 log = logging.getLogger("specd.orchestrator")
-
-
-class SpecDecodeServicer(specdecode_pb2_grpc.SpecDecodeServicer):
-    def __init__(self, core: Core):
-        self.core = core
-
-    async def Generate(self, request, context):
-        try:
-            events = self.core.start(request, API_LABEL, context.time_remaining())
-        except BadRequest as error:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(error))
-        async for event in events:
-            if isinstance(event, Failed):
-                await context.abort(grpc.StatusCode[event.code], event.message, retry_pushback(event))
-            yield to_proto(event)
-
-    async def Info(self, request, context):
-        return await self.core.info()
-
-
-def retry_pushback(failed: Failed) -> tuple[tuple[str, str], ...]:
-    """Trailing metadata with gRPC's own retry hint (gRFC A6 `grpc-retry-pushback-ms`: a client with a
-    retry policy waits that long), for a refusal that a retry may get past (request.py RETRY_AFTER_S)."""
-    if failed.retry_after_s is None:
-        return ()
-    return (("grpc-retry-pushback-ms", str(round(failed.retry_after_s * 1000))),)
-
-
-def to_proto(event: Delta | Finished) -> specdecode_pb2.GenerateResponse:
-    if isinstance(event, Delta):
-        delta = specdecode_pb2.Delta(
-            text=event.text,
-            token_ids=event.token_ids,
-            logprobs=event.logprobs,
-            top_logprobs=top_logprobs_messages(event.top_logprobs),
-            prompt_logprobs=event.prompt_logprobs,
-            prompt_top_logprobs=top_logprobs_messages(event.prompt_top_logprobs),
-        )
-        return specdecode_pb2.GenerateResponse(delta=delta)
-    return specdecode_pb2.GenerateResponse(
-        final=specdecode_pb2.Final(
-            finish_reason=event.reason,
-            usage=specdecode_pb2.Usage(
-                prompt_tokens=event.prompt_tokens,
-                completion_tokens=event.completion_tokens,
-                cached_prompt_tokens=event.cached_prompt_tokens,
-            ),
-            stats=stats_proto(event.stats),
-            seed=event.seed,
-        )
-    )
 
 
 class OrchestratorServer:

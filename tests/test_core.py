@@ -175,7 +175,7 @@ def test_one_stats_serialisation_for_both_apis():
 
 
 async def test_the_prompt_tokens_served_from_cache_reach_the_final_usage_and_the_metrics():
-    from specd.orchestrator.server import to_proto
+    from specd.orchestrator.grpc_api import to_proto
 
     class CachedPool(FakePool):
         async def generate(self, request):
