@@ -32,14 +32,15 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from specd.orchestrator.faults import ServiceFailed
+from specd.orchestrator.costs import ServiceCosts
+from specd.orchestrator.faults import DraftGate, ServiceFailed
 from specd.proto import tracing
 from specd.v1 import draft_pb2
 
 log = logging.getLogger("specd.orchestrator")
 
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 DRAFT_AHEAD_MODES = ("auto", "on", "off")
 DEFAULT_DRAFT_AHEAD = "auto"
 MIN_WAIT_S = 0.001
@@ -57,20 +58,28 @@ class PreDraft:
     finished: float | None = None  # when its reply (or failure) came
 
 
-def share_cores(draft_address: str, target_address: str, draft_info, target_info) -> bool:
-    """Whether the two services compute on the same CPU cores, as far as the orchestrator can tell:
-    both on the CPU (ModelInfo.device) and both reached at a loopback address (`specd up` on one
-    machine). Then `auto` prices drafting ahead as taking its work from the target's verify."""
-    on_cpu = draft_info.device in ("", "cpu") and target_info.device in ("", "cpu")
-    hosts = {address.rsplit(":", 1)[0] for address in (draft_address, target_address)}
-    return on_cpu and hosts <= set(LOOPBACK_HOSTS)
+class Drafting(Protocol):
+    """What drafting ahead reads of its request's Generation (generation.py), which owns it: the draft
+    session, gate and costs it drafts with now (a request may move to another draft replica), the K
+    chooser, the sampling, the stats it counts in, the request and its end tokens."""
+
+    request: object  # GenerationRequest
+    draft: object  # RemoteSession
+    draft_gate: DraftGate
+    costs: ServiceCosts
+    chooser: object  # AdaptiveK, or None for a fixed K
+    sampling: object  # common_pb2.SamplingParams
+    stats: object  # request.py Stats
+    eos_ids: set[int]
+
+    def draft_failed(self, failure: ServiceFailed) -> None: ...
 
 
 class DraftAhead:
     """One request's drafting ahead: at most one pre-draft at a time, and its stats."""
 
-    def __init__(self, generation, mode: str = DEFAULT_DRAFT_AHEAD):
-        self.generation = generation  # its draft session, gate, costs, chooser, sampling and stats
+    def __init__(self, generation: Drafting, mode: str = DEFAULT_DRAFT_AHEAD):
+        self.generation = generation  # the Generation that owns it (a back-reference: Drafting says what it reads)
         self.mode = mode
         self.pending: PreDraft | None = None
         self.last_propose_s = 0.0  # wall seconds of this request's last fresh Propose, per guess

@@ -99,7 +99,7 @@ class ServiceCosts:
     lookup_alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, LOOKUP_ALPHA_PRIOR))
     bonus_match: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))  # β: b == bonus
     ahead_slowdown: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT, 0.0))  # a guess beside a verify / floor - 1
-    shared_cores: bool = False  # told: draft and target compute on the same CPU cores (ahead.py share_cores)
+    shared_cores: bool = False  # told: draft and target compute on the same CPU cores (remote.py share_cores)
 
     def draft_ahead_pays(self, alpha: float, k: int, k_next: int) -> bool:
         """Whether drafting K' = k_next guesses ahead of a step of K beats waiting for a Propose

@@ -36,6 +36,18 @@ async def release_sessions(
         await asyncio.gather(*calls, return_exceptions=True)
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+
+def share_cores(draft_address: str, target_address: str, draft_info, target_info) -> bool:
+    """Whether the two services compute on the same CPU cores, as far as the orchestrator can tell:
+    both on the CPU (ModelInfo.device) and both reached at a loopback address (`specd up` on one
+    machine). Then `auto` prices drafting ahead as taking its work from the target's verify."""
+    on_cpu = draft_info.device in ("", "cpu") and target_info.device in ("", "cpu")
+    hosts = {address.rsplit(":", 1)[0] for address in (draft_address, target_address)}
+    return on_cpu and hosts <= set(LOOPBACK_HOSTS)
+
+
 class PairMismatch(Exception):
     """Draft and target cannot work together (different vocabularies or tokenizers)."""
 

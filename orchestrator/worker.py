@@ -29,13 +29,12 @@ import grpc
 import ray
 from ray.exceptions import RayActorError
 
-from specd.orchestrator.ahead import share_cores
 from specd.orchestrator.costs import ServiceCosts
 from specd.orchestrator.faults import DraftGate, FaultPolicy, ServiceFailed
 from specd.orchestrator.generation import DraftBinding, Generation
 from specd.orchestrator.lookup import LOOKUP_ONLY
 from specd.orchestrator.migration import MIGRATION_LIMIT, Progress, Rejoin
-from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of, release_sessions
+from specd.orchestrator.remote import Service, ServicePair, connect_service, pair_of, release_sessions, share_cores
 from specd.orchestrator.request import Failed, Finished, GenerationRequest, Rebound
 from specd.orchestrator.router import ROUTINGS, Router
 from specd.orchestrator.suffix import RecentOutputs
