@@ -248,8 +248,8 @@ class ClusterStack:
         )
         deployed = await self._locate(Deployed(name, actor))
         gpu_note = f", {options['num_gpus']:g} GPU from Ray" if options.get("num_gpus") else ""
-        engine = settings.service_options()
-        where = f"pid {deployed.pid}, --device {engine['device']}{gpu_note}, --engine {engine['engine']}"
+        resolved = settings.service_options()
+        where = f"pid {deployed.pid}, --device {resolved['device']}{gpu_note}, --engine {resolved['engine']}"
         self.say(f"{name}: loading {settings.model} on {deployed.address} ({where})")
         await self._until_serving(deployed, timeout_s=900)
         return deployed

@@ -231,7 +231,6 @@ class TransformersEngine:
         """Whether a session restored from a prefix's snapshot, then prefilled on, scores bit for bit as
         a fresh prefill of the same tokens (`reusable`'s premise), on this device and these weights."""
         tokens = [(11 * i + 5) % self.description.vocab_size for i in range(2 * BLOCK_TOKENS + 3)]
-        self.prefixes_exact = True  # for the probe's own snapshot
         fresh = self._forward_one(Row("probe", tokens, 1))
         state = self.snapshot("probe", len(tokens) - 1)
         self.release("probe")

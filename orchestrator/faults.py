@@ -44,14 +44,17 @@ class FaultPolicy:
 
     def propose_cap(self, tokens: int) -> float:
         """The cap on a Propose whose cursor sends `tokens` (more than 2: it first catches up on them)."""
-        catch_up = max(0, tokens - 2) / CATCHUP_TOKENS_PER_CAP
-        return min(self.call_timeout_s, self.propose_timeout_s * (1 + catch_up))
+        return self._catching_up(self.propose_timeout_s, tokens)
 
     def step_cap(self, tokens: int) -> float:
-        """With a pool: the cap on a Verify or Decode whose cursor sends `tokens` (the step deadline, one
-        more per CATCHUP_TOKENS_PER_CAP tokens it first catches up on)."""
+        """With a pool: the cap on a Verify or Decode whose cursor sends `tokens` (the step deadline, as a
+        Propose's cap grows with what it first catches up on)."""
+        return self._catching_up(self.step_timeout_s, tokens)
+
+    def _catching_up(self, cap: float, tokens: int) -> float:
+        """`cap`, one more per CATCHUP_TOKENS_PER_CAP tokens a call first catches up on, at most call_timeout_s."""
         catch_up = max(0, tokens - 2) / CATCHUP_TOKENS_PER_CAP
-        return min(self.call_timeout_s, self.step_timeout_s * (1 + catch_up))
+        return min(self.call_timeout_s, cap * (1 + catch_up))
 
 
 class ServiceFailed(Exception):

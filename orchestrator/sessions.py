@@ -245,10 +245,9 @@ class RemoteSession:
         return error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
 
     def _failed(self, error: grpc.aio.AioRpcError, retries: int, seconds: float) -> ServiceFailed:
-        # A call past its cap with the request's time left is the service not answering: UNAVAILABLE, retried
-        # or not (a cap as long as the retry window leaves none), never the client's DEADLINE_EXCEEDED
-        unanswered = error.code() == grpc.StatusCode.DEADLINE_EXCEEDED and not self.spent()
-        if (retries or unanswered) and self._transient(error):
+        # A call past its cap with the request's time left (transient) is the service not answering: UNAVAILABLE,
+        # retried or not (a cap as long as the retry window leaves none), never the client's DEADLINE_EXCEEDED
+        if self._transient(error) and (retries or error.code() == grpc.StatusCode.DEADLINE_EXCEEDED):
             return ServiceFailed(
                 self.name,
                 grpc.StatusCode.UNAVAILABLE,

@@ -13,7 +13,7 @@ requests moved, and the end-to-end latency of the moved requests against the oth
 
     .venv/bin/python scripts/measure_migration.py --server 127.0.0.1:50051 --fault kill \\
         --targets 127.0.0.1:50063,127.0.0.1:50163,127.0.0.1:50263,127.0.0.1:50363 \\
-        --out docs/results/migration_sim_zen5.json
+        --out docs/results/chaos_kill_sim.json
 
 The victim is the replica of that role with the most requests on it a moment after the faulted run
 starts (`specd.v1.Replicas` List); its process is found by its --port (pgrep).
