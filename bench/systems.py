@@ -197,8 +197,11 @@ class SpecdSystems:
     def __init__(self, stub, timeout: float):
         self.stub, self.timeout = stub, timeout
 
-    async def run(self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None, drafter: str = "") -> Run:
-        """One greedy Generate: K (None: the server's), the drafter ("": the server's)."""
+    async def run(
+        self, prompt_ids: list[int], max_new_tokens: int, draft_tokens: int | None, drafter: str = "", salt: str = ""
+    ) -> Run:
+        """One greedy Generate: K (None: the server's), the drafter ("": the server's), the cache salt
+        (a request learns from, and reuses the prefixes of, only requests of its own salt)."""
         from google.protobuf.json_format import MessageToDict
 
         from specd.proto.client import complete
@@ -211,6 +214,7 @@ class SpecdSystems:
             ignore_eos=True,
             sampling=common_pb2.SamplingParams(temperature=0.0),
             drafter=drafter,
+            cache_salt=salt,
         )  # None: unset, the server's K
         completion = await complete(self.stub, request, timeout=self.timeout)
         seconds = time.perf_counter() - completion.started
@@ -285,7 +289,7 @@ async def run_bench(
 
     devices = {role: resolve_device(role, getattr(settings, role).device or "auto") for role in ("draft", "target")}
     dtype = settings.dtype or default_dtype(devices["target"])
-    environment = {"load_average_before": _load_average()}
+    environment = {"load_average_before": load_average()}
     stack, peers = None, {name: PeerSystem(name, url, settings.timeout) for name, url in settings.peers.items()}
     try:
         for peer in peers.values():  # first: a peer that is not there fails in a second, not after loading
@@ -319,7 +323,7 @@ async def run_bench(
             stack.stop()
         for peer in peers.values():
             await peer.close()
-    environment["load_average_after"] = _load_average()
+    environment["load_average_after"] = load_average()
     return build_report(
         settings,
         runs,
@@ -336,7 +340,7 @@ async def run_bench(
             "hf_prompt_lookup": hf.lookup_settings(settings.lookup_tokens),
             "peer_models": {name: peer.model for name, peer in peers.items()},  # what each peer was asked for
             **environment,
-            **_machine(),
+            **machine_facts(),
         },
     )
 
@@ -403,22 +407,24 @@ def run_order() -> tuple[str, ...]:
     return (*rest[:at], "specd_spec", *rest[at:])
 
 
-def _load_average() -> list[float] | None:
+def load_average() -> list[float] | None:
     try:
         return [round(value, 2) for value in os.getloadavg()]
     except OSError:
         return None
 
 
-def _machine() -> dict:
+def machine_facts() -> dict:
     import torch
     import transformers
 
     from specd.model.loading import _cpu_flags
+    from specd.model.machine import machine
 
     flags = _cpu_flags()
     cuda = torch.cuda.is_available()
     return {
+        "cpu": machine()["cpu"],
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),

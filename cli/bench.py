@@ -88,6 +88,18 @@ def add_parser(verbs) -> None:
         metavar="NAME=URL",
         help="also bench an OpenAI-compatible server as system NAME, e.g. llama=http://127.0.0.1:8080 (repeatable)",
     )
+    parser.add_argument(
+        "--configurations",
+        action="store_true",
+        help="instead: each engine × drafter of specd side by side (no HF, no peers), the fastest and the "
+        "default's ratio to it (bench/configurations.py)",
+    )
+    parser.add_argument(
+        "--engines",
+        default=None,
+        metavar="E,E",
+        help="--configurations' engines (default: llama.cpp, and transformers where the pair is converted)",
+    )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per specd request (default 600)")
     parser.add_argument("--json", type=Path, default=None, metavar="OUT.json", help="write the report here")
     parser.add_argument(
@@ -111,6 +123,8 @@ def run(args: argparse.Namespace) -> int:
     settings = _settings(args)
     console = Console(stderr=True)
     started = time.perf_counter()
+    if args.configurations:
+        return _run_configurations(args, settings, console, started)
     total = len(settings.prompts) * (len(SYSTEMS) + len(settings.peers))
     with Progress(console) as progress:
         advance = progress.task("starting", total)
@@ -132,6 +146,50 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"wall time {report['settings']['wall_seconds']:.0f} s (model loading included)")
     write_report(console, report, args.json, args.plot, save_plot)
     return 0
+
+
+def _run_configurations(args, settings, console: Console, started: float) -> int:
+    from rich.table import Table
+
+    from specd.bench import configurations
+    from specd.bench.output import Progress
+    from specd.deploy import choice
+
+    if settings.server or settings.peers:
+        raise UserError("--configurations starts its own stacks: it takes no --server and no --peer")
+    engines = _engines(args.engines)
+    stacks = 2 * len(engines)
+    per_stack = len(settings.prompts) * len(configurations.WITH_DRAFT)
+    with Progress(console) as progress:
+        advance = progress.task("starting", stacks * per_stack)
+        report = configurations.run(settings, engines, progress.say, advance)
+    report["settings"]["wall_seconds"] = round(time.perf_counter() - started, 1)
+    table = Table(title=f"engine × drafter on this machine ({report['environment'].get('cpu', '')})")
+    for column in ("configuration", "tokens/s", "÷ fastest", "α", "steps off", "same text"):
+        table.add_column(column)
+    for row in configurations.summary_rows(report):
+        table.add_row(*row)
+    ratio = report["default_vs_fastest"]
+    table.caption = f"the default is {ratio:.2f}× the fastest ({report['fastest']})" if ratio else ""
+    Console().print(table)
+    write_report(console, report, args.json, args.plot, configurations.save_plot)
+    kept = choice.save(report, settings.draft.model, settings.target.model)
+    if kept:
+        console.print(f"kept for `specd up` and `specd generate` here: {kept.describe()} (deploy/choice.py)")
+    return 0
+
+
+def _engines(given: str | None) -> list[str]:
+    """--engines, checked; by default llama.cpp, and transformers where the default pair is converted."""
+    from specd.model.store import list_models
+
+    if given is None:
+        return ["llama.cpp"] + (["transformers"] if all(status.converted for status in list_models()) else [])
+    engines = [engine.strip() for engine in given.split(",") if engine.strip()]
+    unknown = [engine for engine in engines if engine not in ("llama.cpp", "transformers")]
+    if not engines or unknown:
+        raise UserError(f"--engines takes llama.cpp and/or transformers, comma-separated; not {given!r}")
+    return engines
 
 
 def _settings(args):

@@ -3,6 +3,7 @@
 import argparse
 import json
 import re
+import sys
 
 from specd.proto.limits import ENGINES, EXACTNESS, QUANTIZATIONS, is_sim_engine
 
@@ -175,6 +176,26 @@ def roles_from_args(args, graphs: dict[str, str], threads: dict[str, int | None]
         )
         for role in ("draft", "target")
     }
+
+
+def measured_choice(args, roles: dict, drafter: str | None) -> tuple[dict, str | None]:
+    """A stack here whose flags leave the engines and the drafter to specd (--engine and --draft-engine
+    auto, --device and --draft-device auto, no --drafter) runs the configuration `specd bench
+    --configurations` measured fastest on this machine for this pair, where it measured one
+    (deploy/choice.py), and says so on stderr; otherwise the roles and drafter stay as given."""
+    from dataclasses import replace
+
+    from specd.deploy import choice
+
+    left = all(getattr(args, name, "auto") == "auto" for name in ("engine", "draft_engine", "device", "draft_device"))
+    if not left or drafter:
+        return roles, drafter
+    chosen = choice.load(roles["draft"].model, roles["target"].model)
+    if chosen is None:
+        return roles, drafter
+    print(f"configuration: {chosen.describe()}; other flags override it", file=sys.stderr, flush=True)
+    roles = {role: replace(config, engine=chosen.engine) for role, config in roles.items()}
+    return roles, chosen.drafter
 
 
 def device_choice(flag: str, value: str) -> str:

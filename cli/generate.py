@@ -14,6 +14,7 @@ from specd.cli.common import (
     add_quantize_flag,
     add_stack_device_flags,
     check_stack_devices,
+    measured_choice,
     roles_from_args,
 )
 from specd.orchestrator.lookup import DRAFTERS
@@ -83,10 +84,12 @@ async def _generate(args, graphs: dict[str, str] | None) -> dict:
     stack = None
     address = args.server
     if address is None:
+        roles, drafter = measured_choice(args, roles_from_args(args, graphs), args.drafter)
         config = StackConfig(
             dtype=args.dtype,
             threads=args.threads,
-            **roles_from_args(args, graphs),
+            **roles,
+            drafter=drafter or None,
             extra_service_flags=["--max-cached-tokens", str(_cached_tokens(args))],
         )
         stack = await LocalStack(config).start()

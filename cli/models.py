@@ -64,7 +64,40 @@ def run_list(args: argparse.Namespace) -> int:
 
     _print_table(list_models())
     _print_devices()
+    _print_profiles()
     return 0
+
+
+def _print_profiles() -> None:
+    """What the services measured of their passes on this machine when they loaded (model/pass_profile.py):
+    the first steps of a fresh orchestrator are priced from these."""
+    from specd.model.pass_profile import cached_profiles, machine
+
+    profiles = cached_profiles()
+    here = machine()
+    table = Table(title=f"passes measured on this machine ({here['cpu']}, {here['cores']} cores)")
+    for column in ("model", "engine", "ms: 1 / 4 / 9 scored", "9 / 1"):
+        table.add_column(column, no_wrap=column != "model")
+    for profile in profiles:
+        key, seconds = profile["key"], profile["seconds"]
+        exactness = key["settings"].get("exactness", "")
+        table.add_row(
+            key["model"][0],
+            f"{key['engine'].removesuffix('Engine')} {exactness}".strip(),
+            " / ".join(f"{seconds[n - 1] * 1000:.0f}" for n in (1, 4, 9)),
+            f"{seconds[8] / seconds[0]:.1f}×",
+        )
+    table.caption = (
+        "measured by each service when it first loaded the model here (profiles/ in the cache); "
+        "9 / 1 near 9: verifying K costs K + 1 decode steps, so speculation starts off"
+        if profiles
+        else "none yet: each service measures its passes when it first loads a model here (a few seconds)"
+    )
+    Console().print(table)
+    from specd.deploy import choice
+
+    if chosen := choice.load("draft", "target"):
+        Console().print(f"the default pair's configuration here: {chosen.describe()}")
 
 
 def _print_devices() -> None:

@@ -14,6 +14,7 @@ from specd.cli.common import (
     add_quantize_flag,
     add_stack_device_flags,
     check_stack_devices,
+    measured_choice,
     roles_from_args,
 )
 from specd.cli.orchestrator_flags import (
@@ -261,16 +262,17 @@ def cluster_security(args: argparse.Namespace) -> tuple:
 def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
     from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig
 
+    roles, drafter = measured_choice(args, roles_from_args(args, graphs, service_threads(args)), args.drafter)
     stack = LocalStack(
         StackConfig(
             dtype=args.dtype,
-            **roles_from_args(args, graphs, service_threads(args)),
+            **roles,
             service_env=SHARED_CORES_ENV,
             port=args.port,
             http_port=args.http_port,
             metrics_port=args.metrics_port,
             workers=args.workers,
-            drafter=args.drafter,
+            drafter=drafter,
             draft_ahead=args.draft_ahead,
             routing=args.routing,
             migration_limit=args.migration_limit,
@@ -357,7 +359,9 @@ def describe_device(info) -> str:
         else "memory unknown"
     )
     name = f" ({info.device_name})" if info.device_name else ""
-    return f"{info.role:<13} {info.device or '?'}{name}, {info.dtype}{quantized}, {memory}"
+    passes = info.pass_seconds  # as measured when it loaded (model/pass_profile.py): a decode, a verify of K = 3
+    scored = f"; 1 / 4 scored positions {passes[0] * 1000:.0f} / {passes[3] * 1000:.0f} ms" if len(passes) >= 4 else ""
+    return f"{info.role:<13} {info.device or '?'}{name}, {info.dtype}{quantized}, {memory}{scored}"
 
 
 def _gib(size: int) -> str:

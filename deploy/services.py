@@ -2,8 +2,10 @@
 cluster's service actors both run. The model packages are imported only here, when a service is
 built, so deploy/ itself stays torch-free (docs/architecture.md §1)."""
 
+from contextlib import nullcontext
+
 from specd.deploy.roles import RoleConfig
-from specd.proto.limits import Limits
+from specd.proto.limits import Limits, is_sim_engine
 
 
 def model_server(role: str, settings: RoleConfig, dtype: str | None, limits: Limits, exactness: str = "bitwise"):
@@ -24,10 +26,22 @@ def model_server(role: str, settings: RoleConfig, dtype: str | None, limits: Lim
         from specd.target_service.verifier import Verifier as service
 
     def load():
+        import torch
+
+        from specd.model.devices import resolve_device
+        from specd.model.pass_profile import alone, pass_seconds
+
         options = settings.service_options()
-        loaded = load_engine(
-            role, settings.model, dtype, settings.threads, limits=limits, exactness=exactness, **options
-        )
-        return service(loaded, limits)
+        on_cpu = resolve_device(role, options["device"]).type == "cpu" and not is_sim_engine(options["engine"])
+        # a CPU service loads and measures with the cores to itself (model/pass_profile.py alone)
+        with alone() if on_cpu else nullcontext():
+            loaded = load_engine(
+                role, settings.model, dtype, settings.threads, limits=limits, exactness=exactness, **options
+            )
+            # what its passes cost here, for the orchestrator's first steps (measured once per machine and model)
+            measured = pass_seconds(loaded, {"exactness": exactness, "threads": torch.get_num_threads()})
+        served = service(loaded, limits)
+        served.pass_seconds = measured
+        return served
 
     return create_server(load)

@@ -22,6 +22,7 @@ class ModelService:
     """An engine plus its sessions. Every method runs on the service's single model thread."""
 
     role = "?"
+    pass_seconds: tuple[float, ...] = ()  # what 1, 2, ... scored positions cost (model/pass_profile.py), where measured
 
     def __init__(self, engine: Engine, limits: Limits):
         if limits.max_session_tokens > engine.description.max_positions:

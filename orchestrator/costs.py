@@ -19,6 +19,7 @@ load), K shrinks and turns off, and turns back on when B falls.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specd.orchestrator.pricing import draft_ahead_gain
@@ -100,6 +101,19 @@ class ServiceCosts:
     bonus_match: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))  # β: b == bonus
     ahead_slowdown: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT, 0.0))  # a guess beside a verify / floor - 1
     shared_cores: bool = False  # told: draft and target compute on the same CPU cores (remote.py share_cores)
+
+    def seed(self, draft: Sequence[float], target: Sequence[float]) -> None:
+        """Start from what the services measured of their passes when they loaded (ModelInfo.pass_seconds,
+        model/pass_profile.py: 1, 2, ... positions of one session): the target's decode and verify of each
+        K, the fit of its passes, and the draft's guess, so that a fresh worker's first steps are priced
+        rather than explored (speculation off from the first step where verifying costs as much as
+        decoding). The calls' own measurements take over as they come, TIME_WEIGHT each."""
+        for positions, seconds in enumerate(target, 1):
+            self.verify_by_k[positions - 1] = Ewma(TIME_WEIGHT, seconds)
+            self.target_pass.add(positions, seconds)
+        if draft:
+            self.draft_per_token = Ewma(TIME_WEIGHT, draft[0])
+            self.draft_floor = draft[0]
 
     def draft_ahead_pays(self, alpha: float, k: int, k_next: int) -> bool:
         """Whether drafting K' = k_next guesses ahead of a step of K beats waiting for a Propose

@@ -115,6 +115,7 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         prefix_cache_miss_tokens=prefixes.miss_tokens,
         prefix_cache_evictions=prefixes.evictions,
         prefix_cache_failures=prefixes.failures,
+        pass_seconds=service.pass_seconds,
     )
 
 

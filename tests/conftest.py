@@ -19,6 +19,10 @@ from specd.target_service.server import create_target_server
 from specd.target_service.verifier import Verifier
 from specd.v1 import draft_pb2_grpc, target_pb2_grpc
 
+# The stacks tests start run what their flags say, not a configuration `specd bench --configurations`
+# kept on this machine (deploy/choice.py): the tests of that choice turn it back on for themselves.
+os.environ["SPECD_CHOICE"] = "off"
+
 
 def pytest_addoption(parser):
     parser.addoption(

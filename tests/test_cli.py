@@ -58,7 +58,9 @@ def test_generate_json_on_an_embedded_stack_matches_target_only(tiny_dirs):
     assert output["usage"]["completion_tokens"] == len(output["token_ids"]) <= 12
     stats = output["stats"]
     assert stats["adaptive"] and stats["draft_tokens"] == 8  # K chosen every step, up to 8 (the default)
-    assert len(stats["draft_lengths"]) == stats["steps"] and sum(stats["draft_lengths"]) == stats["drafted"] > 0
+    # how many steps drafted is the chooser's: it prices them from the services' measured passes
+    # (model/pass_profile.py), and this tiny draft costs about what its target does
+    assert len(stats["draft_lengths"]) == stats["steps"] and sum(stats["draft_lengths"]) == stats["drafted"] >= 0
     assert 0 <= output["stats"]["acceptance_rate"] <= 1
     assert output["baseline"]["same_text"] is True  # greedy speculative == target-only
     leftovers = marked(mark)

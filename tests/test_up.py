@@ -6,6 +6,7 @@ three. The flag handling without processes is tests/test_up_cores.py's and tests
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,7 +99,9 @@ def test_specd_up_prints_http_and_metrics_addresses_and_serves_them(up):
     status, text = asyncio.run(http("GET", f"http://127.0.0.1:{up.ports['--metrics-port']}/metrics"))
     assert 'specd_requests_total{api="http",outcome=' in text
     status, text = asyncio.run(http("GET", f"http://127.0.0.1:{up.ports['--target-metrics-port']}/metrics"))
-    assert 'specd_service_calls_total{code="OK",method="Verify"}' in text
+    # Verify where the request speculated, Decode where its first steps were priced target-only
+    # (the tiny test pair's draft costs about what its target does: model/pass_profile.py)
+    assert re.search(r'specd_service_calls_total\{code="OK",method="(Verify|Decode)"\} [1-9]', text), text
 
 
 def test_specd_up_starts_its_services_with_their_share_of_the_cores(up):
@@ -119,9 +122,11 @@ def test_specd_up_passes_the_devices_on_and_prints_where_each_service_computes(u
         argv = " ".join(command_line(up.services[role]))
         assert "--device cpu" in argv and "--cuda-graphs off" in argv, argv
         printed = [line for line in up.lines if line.split()[:1] == [role] and " cpu (" in line]
-        # e.g. "target        cpu (AMD EPYC), float32, host memory 21.3 of 23.5 GiB free"
+        # e.g. "target        cpu (AMD EPYC), float32, host memory 21.3 of 23.5 GiB free; 1 / 4 scored
+        # positions 25 / 91 ms" (what the service measured of its passes when it loaded: model/pass_profile.py)
         assert len(printed) == 1, up.lines
         assert " memory " in printed[0] and " GiB free" in printed[0]
+        assert "; 1 / 4 scored positions " in printed[0] and printed[0].endswith(" ms"), printed[0]
     assert ", float32, host memory " in next(
         line for line in up.lines if line.startswith("target ") and " cpu (" in line
     )

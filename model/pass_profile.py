@@ -1,0 +1,161 @@
+"""What a pass costs on this machine, measured once per machine and model: the engine's seconds to
+score 1, 2, ... PROFILE_POSITIONS positions of one session (a decode step, then verifies of K = 1..8),
+after CONTEXT tokens of prompt.
+
+The orchestrator prices every step from what the services' calls cost (orchestrator/costs.py), but
+a fresh worker knows nothing yet: its first speculative steps were a blind K = 4 and its first probes
+guesses, and on a CPU where verifying K + 1 positions costs K + 1 decode steps (llama.cpp's exact
+one-row kernels on 2 cores) those steps are what made a lone request slower with speculation on than
+off (`specd generate`'s 0.88× on an AMD EPYC Zen 5). A service now measures its passes when it loads,
+reports them in its Info (`ModelInfo.pass_seconds`), and the orchestrator starts from them: the first
+step of the first request is already priced (speculation off where it cannot pay, K where it does).
+
+Two services that load on one machine's CPU at once (`specd up`: the draft and the target on 2
+cores) would time each other's load: measured so, a one-position pass of the default target took
+2.7 s instead of 24 ms. So a service that computes on the CPU loads and measures holding a lock of
+the machine's (`alone`, a file lock under the cache): CPU services on one machine load one at a
+time (each with all the cores, rather than splitting them), GPU and simulated services as before.
+
+The measurement takes a few seconds (the default target on 2 cores: about 3), so it is kept under
+the model cache (`profiles/`), keyed by the machine (CPU model and flags, cores, the GPU's name),
+the model as the engine describes it (name, weights, dtype, device), the engine and its settings,
+and the threads: the next load of the same model on the same machine reads it instead.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import statistics
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from specd.model.engine import Engine, Row
+from specd.model.machine import machine
+from specd.model.store import cache_root
+
+PROFILE_POSITIONS = 9  # a decode step, then verifies of K = 1..8 (the orchestrator's default K bound)
+CONTEXT = 128  # prompt tokens before the scored positions
+REPEATS = 3  # each size's median of this many
+SESSION = "pass-profile"  # the session the measurement uses, released after
+FORMAT = 1  # the cached file's layout
+KEEP = 64  # profiles kept in the cache, the newest
+
+log = logging.getLogger(__name__)
+
+
+def pass_seconds(engine: Engine, settings: dict | None = None) -> tuple[float, ...]:
+    """The engine's seconds to score 1..PROFILE_POSITIONS positions of one session, from the cache
+    where this machine measured this model and engine before, else measured now and kept.
+    `settings`: what else decides the cost (the engine's exactness, its threads)."""
+    if modelled := getattr(engine, "modelled_pass_seconds", None):  # the simulated engine: no need to measure
+        return tuple(modelled(n) for n in range(1, PROFILE_POSITIONS + 1))
+    key = profile_key(engine, settings or {})
+    path = cache_root() / "profiles" / f"{key['digest']}.json"
+    try:
+        cached = json.loads(path.read_text())
+        if cached.get("format") == FORMAT and cached.get("key") == key:
+            return tuple(cached["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # absent or unreadable: measure
+    started = time.perf_counter()
+    try:
+        seconds = measure(engine)
+    except Exception as error:  # never fails a load: the orchestrator then learns the costs from the calls
+        log.warning("%s: could not measure its passes (%s); none reported", engine.description.name, error)
+        return ()
+    log.info(
+        "%s: measured its passes in %.1f s (1 / %d positions: %.1f / %.1f ms), kept in %s",
+        engine.description.name,
+        time.perf_counter() - started,
+        len(seconds),
+        seconds[0] * 1000,
+        seconds[-1] * 1000,
+        path,
+    )
+    _write(path, {"format": FORMAT, "key": key, "seconds": list(seconds), "measured": time.time()})
+    return seconds
+
+
+@contextmanager
+def alone():
+    """Hold the machine's load lock (a file lock under the cache: every process of this user on this
+    machine that loads a CPU model takes it), so that no other CPU service loads or measures meanwhile."""
+    path = cache_root() / "profiles" / ".loading.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = REPEATS) -> tuple[float, ...]:
+    """Seconds to score n = 1..positions positions of one session after CONTEXT prompt tokens, each
+    the median of `repeats` passes; the session is cut back after each and released at the end."""
+    vocab = engine.description.vocab_size
+    prompt = [(7 * i + 3) % vocab for i in range(CONTEXT)]
+    engine.forward([Row(SESSION, prompt, 1)])
+    try:
+        engine.forward([Row(SESSION, prompt[:1], 1)])  # one warm-up step: first calls allocate
+        engine.crop(SESSION, CONTEXT)
+        seconds = []
+        for n in range(1, positions + 1):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                engine.forward([Row(SESSION, prompt[:n], n)])
+                times.append(time.perf_counter() - started)
+                engine.crop(SESSION, CONTEXT)
+            seconds.append(statistics.median(times))
+        return tuple(seconds)
+    finally:
+        engine.release(SESSION)
+
+
+def profile_key(engine: Engine, settings: dict) -> dict:
+    """What the measurement depends on, and its digest (the cache file's name)."""
+    described = engine.description
+    key = {
+        "machine": machine(),
+        "model": [described.name, described.quantization, described.dtype, described.device],
+        "engine": type(engine).__name__,
+        "settings": {name: settings[name] for name in sorted(settings)},
+        "positions": PROFILE_POSITIONS,
+        "context": CONTEXT,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return {**key, "digest": digest}
+
+
+def cached_profiles() -> list[dict]:
+    """Every profile this machine's cache holds for this machine (`specd models list`)."""
+    here, found = machine(), []
+    for path in sorted((cache_root() / "profiles").glob("*.json")):
+        try:
+            profile = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(profile, dict) and profile.get("format") == FORMAT and profile["key"].get("machine") == here:
+            found.append(profile)
+    return found
+
+
+def _write(path: Path, content: dict) -> None:
+    """Atomically (several services may load at once), and never failing the load."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+            json.dump(content, handle, indent=1)
+        os.replace(handle.name, path)
+        kept = sorted(path.parent.glob("*.json"), key=lambda kept: kept.stat().st_mtime)
+        for stale in kept[:-KEEP]:  # models come and go (a test's in a temporary folder): the newest KEEP stay
+            stale.unlink(missing_ok=True)
+    except OSError as error:
+        log.warning("could not keep the pass profile in %s: %s", path, error)
