@@ -17,8 +17,8 @@ the machine's (`alone`, a file lock under the cache): CPU services on one machin
 time (each with all the cores, rather than splitting them), GPU and simulated services as before.
 
 The measurement takes a few seconds (the default target on 2 cores: about 3), so it is kept under
-the model cache (`profiles/`), keyed by the machine (CPU model and flags, cores, the GPU's name),
-the model as the engine describes it (name, weights, dtype, device), the engine and its settings,
+the model cache (`profiles/passes-*.json`), keyed by the machine (CPU model and flags, cores), the
+model as the engine describes it (name, weights, dtype, device, the GPU's name), the engine and its settings,
 and the threads: the next load of the same model on the same machine reads it instead.
 """
 
@@ -34,6 +34,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.machine import machine
@@ -56,7 +58,7 @@ def pass_seconds(engine: Engine, settings: dict | None = None) -> tuple[float, .
     if modelled := getattr(engine, "modelled_pass_seconds", None):  # the simulated engine: no need to measure
         return tuple(modelled(n) for n in range(1, PROFILE_POSITIONS + 1))
     key = profile_key(engine, settings or {})
-    path = cache_root() / "profiles" / f"{key['digest']}.json"
+    path = cache_root() / "profiles" / f"passes-{key['digest']}.json"
     try:
         cached = json.loads(path.read_text())
         if cached.get("format") == FORMAT and cached.get("key") == key:
@@ -122,9 +124,10 @@ def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = R
 def profile_key(engine: Engine, settings: dict) -> dict:
     """What the measurement depends on, and its digest (the cache file's name)."""
     described = engine.description
+    gpu = torch.cuda.get_device_name(described.device) if described.device.startswith("cuda") else ""
     key = {
         "machine": machine(),
-        "model": [described.name, described.quantization, described.dtype, described.device],
+        "model": [described.name, described.quantization, described.dtype, described.device, gpu],
         "engine": type(engine).__name__,
         "settings": {name: settings[name] for name in sorted(settings)},
         "positions": PROFILE_POSITIONS,
@@ -137,7 +140,7 @@ def profile_key(engine: Engine, settings: dict) -> dict:
 def cached_profiles() -> list[dict]:
     """Every profile this machine's cache holds for this machine (`specd models list`)."""
     here, found = machine(), []
-    for path in sorted((cache_root() / "profiles").glob("*.json")):
+    for path in sorted((cache_root() / "profiles").glob("passes-*.json")):
         try:
             profile = json.loads(path.read_text())
         except (OSError, ValueError):
@@ -154,7 +157,7 @@ def _write(path: Path, content: dict) -> None:
         with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
             json.dump(content, handle, indent=1)
         os.replace(handle.name, path)
-        kept = sorted(path.parent.glob("*.json"), key=lambda kept: kept.stat().st_mtime)
+        kept = sorted(path.parent.glob("passes-*.json"), key=lambda kept: kept.stat().st_mtime)
         for stale in kept[:-KEEP]:  # models come and go (a test's in a temporary folder): the newest KEEP stay
             stale.unlink(missing_ok=True)
     except OSError as error:

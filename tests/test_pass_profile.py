@@ -63,15 +63,18 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     other = Timed()  # other settings (or another model, machine): measured anew
     pass_seconds(other, {"threads": 1})
     assert other.passes > 0
+    kept_choice = tmp_path / "profiles" / "choice-0123.json"  # deploy/choice.py's, in the same folder
+    kept_choice.write_text(json.dumps({"format": 1, "key": {"machine": machine()}, "choice": {}}))
     profiles = cached_profiles()
     assert len(profiles) == 2 and all(profile["key"]["machine"] == machine() for profile in profiles)
+    assert kept_choice.exists()
     assert {profile["key"]["settings"]["threads"] for profile in profiles} == {1, 2}
 
 
 def test_a_stale_or_broken_file_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
     pass_seconds(Timed())
-    (path,) = (tmp_path / "profiles").glob("*.json")
+    (path,) = (tmp_path / "profiles").glob("passes-*.json")
     profile = json.loads(path.read_text())
     path.write_text(json.dumps({**profile, "key": {**profile["key"], "machine": {"cpu": "another"}}}))
     engine = Timed()
