@@ -29,7 +29,7 @@ def model_server(role: str, settings: RoleConfig, dtype: str | None, limits: Lim
         import torch
 
         from specd.model.devices import resolve_device
-        from specd.model.pass_profile import alone, pass_seconds
+        from specd.model.pass_profile import alone, pass_profile
 
         options = settings.service_options()
         on_cpu = resolve_device(role, options["device"]).type == "cpu" and not is_sim_engine(options["engine"])
@@ -39,9 +39,9 @@ def model_server(role: str, settings: RoleConfig, dtype: str | None, limits: Lim
                 role, settings.model, dtype, settings.threads, limits=limits, exactness=exactness, **options
             )
             # what its passes cost here, for the orchestrator's first steps (measured once per machine and model)
-            measured = pass_seconds(loaded, {"exactness": exactness, "threads": torch.get_num_threads()})
+            measured = pass_profile(loaded, {"exactness": exactness, "threads": torch.get_num_threads()})
         served = service(loaded, limits)
-        served.pass_seconds = measured
+        served.passes = measured
         return served
 
     return create_server(load)

@@ -1,6 +1,6 @@
 """What a pass costs on this machine, measured once per machine and model: the engine's seconds to
 score 1, 2, ... PROFILE_POSITIONS positions of one session (a decode step, then verifies of K = 1..8),
-after CONTEXT tokens of prompt.
+after CONTEXT tokens of prompt, and that prompt's prefill per token.
 
 The orchestrator prices every step from what the services' calls cost (orchestrator/costs.py), but
 a fresh worker knows nothing yet: its first speculative steps were a blind K = 4 and its first probes
@@ -33,6 +33,7 @@ import statistics
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -45,43 +46,54 @@ PROFILE_POSITIONS = 9  # a decode step, then verifies of K = 1..8 (the orchestra
 CONTEXT = 128  # prompt tokens before the scored positions
 REPEATS = 3  # each size's median of this many
 SESSION = "pass-profile"  # the session the measurement uses, released after
-FORMAT = 1  # the cached file's layout
+FORMAT = 2  # the cached file's layout (1: no prefill_per_token)
 KEEP = 64  # profiles kept in the cache, the newest
 
 log = logging.getLogger(__name__)
 
 
-def pass_seconds(engine: Engine, settings: dict | None = None) -> tuple[float, ...]:
-    """The engine's seconds to score 1..PROFILE_POSITIONS positions of one session, from the cache
-    where this machine measured this model and engine before, else measured now and kept.
+@dataclass(frozen=True)
+class PassProfile:
+    """What this engine's passes cost here, one session alone."""
+
+    seconds: tuple[float, ...]  # [n - 1]: scoring n positions after CONTEXT tokens (a decode, a verify of n - 1)
+    prefill_per_token: float  # a CONTEXT-token prompt's prefill, per token (what a draft's catch-up costs)
+
+
+def pass_profile(engine: Engine, settings: dict | None = None) -> PassProfile | None:
+    """The engine's PassProfile, from the cache where this machine measured this model and engine
+    before, else measured now and kept; None where it could not be measured (the load goes on).
     `settings`: what else decides the cost (the engine's exactness, its threads)."""
     if modelled := getattr(engine, "modelled_pass_seconds", None):  # the simulated engine: no need to measure
-        return tuple(modelled(n) for n in range(1, PROFILE_POSITIONS + 1))
+        seconds = tuple(modelled(n, n) for n in range(1, PROFILE_POSITIONS + 1))
+        return PassProfile(seconds, (modelled(CONTEXT, 1) - modelled(1, 1)) / (CONTEXT - 1))
     key = profile_key(engine, settings or {})
     path = cache_root() / "profiles" / f"passes-{key['digest']}.json"
     try:
         cached = json.loads(path.read_text())
         if cached.get("format") == FORMAT and cached.get("key") == key:
-            return tuple(cached["seconds"])
+            return PassProfile(tuple(cached["seconds"]), cached["prefill_per_token"])
     except (OSError, ValueError, KeyError, TypeError):
         pass  # absent or unreadable: measure
     started = time.perf_counter()
     try:
-        seconds = measure(engine)
+        profile = measure(engine)
     except Exception as error:  # never fails a load: the orchestrator then learns the costs from the calls
         log.warning("%s: could not measure its passes (%s); none reported", engine.description.name, error)
-        return ()
+        return None
     log.info(
-        "%s: measured its passes in %.1f s (1 / %d positions: %.1f / %.1f ms), kept in %s",
+        "%s: measured its passes in %.1f s (1 / %d positions: %.1f / %.1f ms, prefill %.2f ms a token), kept in %s",
         engine.description.name,
         time.perf_counter() - started,
-        len(seconds),
-        seconds[0] * 1000,
-        seconds[-1] * 1000,
+        len(profile.seconds),
+        profile.seconds[0] * 1000,
+        profile.seconds[-1] * 1000,
+        profile.prefill_per_token * 1000,
         path,
     )
-    _write(path, {"format": FORMAT, "key": key, "seconds": list(seconds), "measured": time.time()})
-    return seconds
+    content = {"format": FORMAT, "key": key, **asdict(profile), "measured": time.time()}
+    _write(path, {**content, "seconds": list(profile.seconds)})
+    return profile
 
 
 @contextmanager
@@ -98,15 +110,19 @@ def alone():
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = REPEATS) -> tuple[float, ...]:
+def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = REPEATS) -> PassProfile:
     """Seconds to score n = 1..positions positions of one session after CONTEXT prompt tokens, each
-    the median of `repeats` passes; the session is cut back after each and released at the end."""
+    the median of `repeats` passes (the session cut back after each), and that prompt's prefill per
+    token (after a short warm-up prompt: an engine's first calls allocate); the session is released."""
     vocab = engine.description.vocab_size
     prompt = [(7 * i + 3) % vocab for i in range(CONTEXT)]
-    engine.forward([Row(SESSION, prompt, 1)])
     try:
-        engine.forward([Row(SESSION, prompt[:1], 1)])  # one warm-up step: first calls allocate
-        engine.crop(SESSION, CONTEXT)
+        engine.forward([Row(SESSION, prompt[:8], 1)])
+        engine.forward([Row(SESSION, prompt[8:9], 1)])
+        engine.release(SESSION)
+        started = time.perf_counter()
+        engine.forward([Row(SESSION, prompt, 1)])
+        prefill = (time.perf_counter() - started) / CONTEXT
         seconds = []
         for n in range(1, positions + 1):
             times = []
@@ -116,7 +132,7 @@ def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = R
                 times.append(time.perf_counter() - started)
                 engine.crop(SESSION, CONTEXT)
             seconds.append(statistics.median(times))
-        return tuple(seconds)
+        return PassProfile(tuple(seconds), prefill)
     finally:
         engine.release(SESSION)
 

@@ -10,6 +10,7 @@ from typing import TypeVar
 from specd.model.devices import trim_host_memory
 from specd.model.engine import Engine, Row
 from specd.model.errors import EngineError, InvalidRequest
+from specd.model.pass_profile import PassProfile
 from specd.model.prefix_cache import PrefixStats
 from specd.model.sampling import Sampling
 from specd.model.sessions import Cursor, SessionStore
@@ -22,7 +23,7 @@ class ModelService:
     """An engine plus its sessions. Every method runs on the service's single model thread."""
 
     role = "?"
-    pass_seconds: tuple[float, ...] = ()  # what 1, 2, ... scored positions cost (model/pass_profile.py), where measured
+    passes: PassProfile | None = None  # what its passes cost here (model/pass_profile.py), where measured
 
     def __init__(self, engine: Engine, limits: Limits):
         if limits.max_session_tokens > engine.description.max_positions:

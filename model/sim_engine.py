@@ -132,10 +132,10 @@ class SimEngine:
         costs = self.costs
         return self.settings.scale * (costs.pass_s + costs.row_token_s * scored + costs.prefill_token_s * prefilled)
 
-    def modelled_pass_seconds(self, positions: int) -> float:
-        """What scoring `positions` positions of one session costs here (model/pass_profile.py asks
-        this instead of measuring: a simulated pass costs what its profile says)."""
-        return self.seconds([Row("", [0] * positions, positions)])
+    def modelled_pass_seconds(self, tokens: int, scored: int) -> float:
+        """What a pass of one session's `tokens` new tokens, the last `scored` of them scored, costs here
+        (model/pass_profile.py asks this instead of measuring: a simulated pass costs what its profile says)."""
+        return self.seconds([Row("", [0] * tokens, scored)])
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         started = time.perf_counter()

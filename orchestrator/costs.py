@@ -102,18 +102,22 @@ class ServiceCosts:
     ahead_slowdown: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT, 0.0))  # a guess beside a verify / floor - 1
     shared_cores: bool = False  # told: draft and target compute on the same CPU cores (remote.py share_cores)
 
-    def seed(self, draft: Sequence[float], target: Sequence[float]) -> None:
+    def seed(self, draft: Sequence[float], target: Sequence[float], draft_prefill: float = 0.0) -> None:
         """Start from what the services measured of their passes when they loaded (ModelInfo.pass_seconds,
         model/pass_profile.py: 1, 2, ... positions of one session): the target's decode and verify of each
-        K, the fit of its passes, and the draft's guess, so that a fresh worker's first steps are priced
-        rather than explored (speculation off from the first step where verifying costs as much as
-        decoding). The calls' own measurements take over as they come, TIME_WEIGHT each."""
+        K, the fit of its passes, the draft's guess and its catch-up per token (`draft_prefill`, a
+        prompt's prefill per token; else a catch-up is priced at a guess a token, many times its cost),
+        so that a fresh worker's first steps are priced rather than explored (speculation off from the
+        first step where verifying costs as much as decoding). The calls' own measurements take over as
+        they come, TIME_WEIGHT each."""
         for positions, seconds in enumerate(target, 1):
             self.verify_by_k[positions - 1] = Ewma(TIME_WEIGHT, seconds)
             self.target_pass.add(positions, seconds)
         if draft:
             self.draft_per_token = Ewma(TIME_WEIGHT, draft[0])
             self.draft_floor = draft[0]
+        if draft_prefill:
+            self.draft_catchup = Ewma(TIME_WEIGHT, draft_prefill)
 
     def draft_ahead_pays(self, alpha: float, k: int, k_next: int) -> bool:
         """Whether drafting K' = k_next guesses ahead of a step of K beats waiting for a Propose

@@ -126,7 +126,12 @@ class GenerationWorker:
                 )
                 pair = self.pairs[draft, target] = pair_of(*services)
                 costs = self.costs[draft, target] = ServiceCosts()
-                costs.seed(pair.draft_info.pass_seconds if pair.has_draft else (), pair.target_info.pass_seconds)
+                draft_info = pair.draft_info if pair.has_draft else None
+                costs.seed(
+                    draft_info.pass_seconds if draft_info else (),
+                    pair.target_info.pass_seconds,
+                    draft_info.prefill_seconds_per_token if draft_info else 0.0,
+                )
                 if pair.has_draft:
                     self.draft_gates.setdefault(draft, DraftGate(self.policy))
                     costs.shared_cores = share_cores(draft, target, pair.draft_info, pair.target_info)

@@ -13,7 +13,7 @@ from specd.deploy.roles import RoleConfig
 from specd.deploy.services import model_server
 from specd.model.engine import ModelDescription
 from specd.model.errors import CapacityExceeded
-from specd.model.pass_profile import PROFILE_POSITIONS, cached_profiles, machine, pass_seconds
+from specd.model.pass_profile import PROFILE_POSITIONS, cached_profiles, machine, pass_profile
 from specd.orchestrator.adaptive import AdaptiveK
 from specd.orchestrator.costs import ServiceCosts
 from specd.proto.limits import Limits
@@ -54,14 +54,18 @@ class Timed:
 def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
     engine = Timed()
-    seconds = pass_seconds(engine, {"threads": 2})
+    profile = pass_profile(engine, {"threads": 2})
+    seconds = profile.seconds
     assert len(seconds) == PROFILE_POSITIONS and engine.passes > PROFILE_POSITIONS
     assert seconds[-1] > seconds[0] + 0.005  # 8 more positions at 1 ms each
+    assert 0 < profile.prefill_per_token < seconds[0] / 10  # one 3 ms pass over 128 tokens
     assert engine.held == {}  # its session released
     again = Timed()
-    assert pass_seconds(again, {"threads": 2}) == pytest.approx(seconds) and again.passes == 0
+    kept = pass_profile(again, {"threads": 2})
+    assert kept.seconds == pytest.approx(seconds) and kept.prefill_per_token == profile.prefill_per_token
+    assert again.passes == 0
     other = Timed()  # other settings (or another model, machine): measured anew
-    pass_seconds(other, {"threads": 1})
+    pass_profile(other, {"threads": 1})
     assert other.passes > 0
     kept_choice = tmp_path / "profiles" / "choice-0123.json"  # deploy/choice.py's, in the same folder
     kept_choice.write_text(json.dumps({"format": 1, "key": {"machine": machine()}, "choice": {}}))
@@ -73,21 +77,21 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
 
 def test_a_stale_or_broken_file_is_measured_again(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
-    pass_seconds(Timed())
+    pass_profile(Timed())
     (path,) = (tmp_path / "profiles").glob("passes-*.json")
     profile = json.loads(path.read_text())
     path.write_text(json.dumps({**profile, "key": {**profile["key"], "machine": {"cpu": "another"}}}))
     engine = Timed()
-    pass_seconds(engine)
+    pass_profile(engine)
     assert engine.passes > 0
     path.write_text("{not json")
     engine = Timed()
-    assert len(pass_seconds(engine)) == PROFILE_POSITIONS and engine.passes > 0
+    assert len(pass_profile(engine).seconds) == PROFILE_POSITIONS and engine.passes > 0
 
 
 def test_a_measurement_that_fails_reports_none_and_fails_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
-    assert pass_seconds(Timed(fail=True)) == ()
+    assert pass_profile(Timed(fail=True)) is None
     assert not (tmp_path / "profiles").exists() or not list((tmp_path / "profiles").iterdir())
 
 
@@ -105,13 +109,14 @@ async def test_a_served_target_reports_its_passes_in_info():
         assert len(info.pass_seconds) == PROFILE_POSITIONS
         assert info.pass_seconds[0] == pytest.approx(0.0040 + 0.00016, rel=1e-5)
         assert info.pass_seconds[8] == pytest.approx(0.0040 + 9 * 0.00016, rel=1e-5)
+        assert info.prefill_seconds_per_token == pytest.approx(0.00016, rel=1e-4)
     finally:
         await server.stop(0)
 
 
 def _costs(target: list[float], draft: float = 0.01) -> ServiceCosts:
     costs = ServiceCosts()
-    costs.seed([draft] * PROFILE_POSITIONS, target)
+    costs.seed([draft] * PROFILE_POSITIONS, target, draft_prefill=0.001)
     return costs
 
 
@@ -121,6 +126,7 @@ def test_a_fresh_worker_prices_its_first_step_from_the_profile():
     without a profile a fresh worker still explores (a decode first)."""
     linear = _costs([0.03 * n for n in range(1, PROFILE_POSITIONS + 1)])
     assert linear.ready() and linear.verify_seconds(3) == pytest.approx(0.12)
+    assert linear.catchup_seconds(100) == pytest.approx(0.1)  # at the prefill's cost, not a guess's 0.01 a token
     assert AdaptiveK(linear, 8).next_k(64) == 0
     flat = _costs([0.03 + 0.001 * n for n in range(1, PROFILE_POSITIONS + 1)])
     assert AdaptiveK(flat, 8).next_k(64) > 0
