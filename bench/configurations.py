@@ -8,7 +8,9 @@ without (as `specd up --drafter suffix` starts it: the target alone has the core
 run the `suffix` and `ngram` drafters and target-only. On each prompt the configurations of a stack
 run in turn (interleaved, so machine drift falls on all alike), greedy, exactly --max-new-tokens
 tokens each (EOS ignored), every configuration under a cache salt of its own so that no
-configuration's drafter or prefix cache learns from another's outputs of the same prompt.
+configuration's drafter or prefix cache learns from another's outputs of the same prompt. The stacks
+run as `specd up` runs them here: each service's share of the cores (the target all of them, a draft
+a quarter) and its waiting threads asleep (deploy/local.py share_cores, SHARED_CORES_ENV).
 
 The report: tokens/s per configuration (all its tokens over all its seconds), α, the steps off,
 whether its text equals its stack's target-only text on every prompt, the fastest, and the default's
@@ -47,7 +49,7 @@ async def run_configurations(
     settings: BenchSettings, engines: list[str], say: Callable[[str], None] = print, advance=None
 ) -> dict:
     """Every configuration of every engine in `engines` on settings.prompts; the report (see the docstring)."""
-    from specd.deploy.local import LocalStack, StackConfig
+    from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig
     from specd.model.fetch import resolve_tokenizer
     from specd.model.loaded import folder_tokenizer
     from specd.proto.client import channel
@@ -56,14 +58,16 @@ async def run_configurations(
     tokenizer = folder_tokenizer(resolve_tokenizer(settings.target.model))[0]
     prompt_ids = [tokenizer(prompt)["input_ids"] for prompt in settings.prompts]
     configurations, before = [], load_average()
+    threads = stack_threads(settings)
     for engine in engines:
         for draft_service, drafters in ((True, WITH_DRAFT), (False, WITHOUT_DRAFT)):
             config = StackConfig(
                 dtype=settings.dtype,
-                threads=settings.threads,
-                draft=replace(settings.draft, engine=engine),
-                target=replace(settings.target, engine=engine),
+                draft=replace(settings.draft, engine=engine, threads=threads["draft"]),
+                # without a draft service the target has the cores to itself, as `specd up --drafter suffix`
+                target=replace(settings.target, engine=engine, threads=threads["target" if draft_service else "alone"]),
                 drafter=None if draft_service else "suffix",  # a stack without a draft service
+                service_env=SHARED_CORES_ENV,
                 workers=1,
             )
             stack = await LocalStack(config, say=say).start()
@@ -76,6 +80,22 @@ async def run_configurations(
             finally:
                 stack.stop()
     return _report(settings, engines, configurations, {"load_average_before": before})
+
+
+def stack_threads(settings: BenchSettings) -> dict[str, int | None]:
+    """Each service's threads as `specd up` gives them here (cli/up.py service_threads): --threads where
+    given, else their share of the cores for those that compute on the CPU (deploy/local.py share_cores);
+    `alone`: the target's in a stack without a draft."""
+    from specd.deploy.local import share_cores, usable_cores
+    from specd.model.devices import resolve_device
+
+    if settings.threads:
+        return dict.fromkeys(("draft", "target", "alone"), settings.threads)
+    roles = {"draft": settings.draft, "target": settings.target}
+    on_cpu = [role for role, config in roles.items() if resolve_device(role, config.device or "auto").type == "cpu"]
+    shared = share_cores(usable_cores(), on_cpu)
+    alone = share_cores(usable_cores(), [role for role in on_cpu if role == "target"])
+    return {"draft": shared.get("draft"), "target": shared.get("target"), "alone": alone.get("target")}
 
 
 async def _run_group(specd, group, drafters, prompt_ids, settings, tokenizer, advance) -> None:

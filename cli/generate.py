@@ -79,15 +79,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _generate(args, graphs: dict[str, str] | None) -> dict:
-    from specd.deploy.local import LocalStack, StackConfig
+    from specd.cli.up import service_threads
+    from specd.deploy.local import SHARED_CORES_ENV, LocalStack, StackConfig
 
     stack = None
     address = args.server
-    if address is None:
-        roles, drafter = measured_choice(args, roles_from_args(args, graphs), args.drafter)
+    if address is None:  # a stack here, as `specd up` runs one: each service's share of the cores
+        roles, drafter = measured_choice(args, roles_from_args(args, graphs, service_threads(args)), args.drafter)
         config = StackConfig(
             dtype=args.dtype,
-            threads=args.threads,
+            service_env=SHARED_CORES_ENV,
             **roles,
             drafter=drafter or None,
             extra_service_flags=["--max-cached-tokens", str(_cached_tokens(args))],

@@ -299,13 +299,14 @@ def run_here(args: argparse.Namespace, graphs: dict[str, str]) -> int:
 
 
 def service_threads(args: argparse.Namespace) -> dict[str, int | None]:
-    """Torch threads of the draft and the target that `specd up` runs here: --draft-threads and
-    --target-threads, else --threads, else their share of this machine's cores for each one that
-    computes on the CPU (`share_cores`: the target all of them, the draft a quarter;
-    docs/deploying/one-machine.md). None: the service's own default (all cores), for a service on a GPU."""
+    """Torch threads of the draft and the target that `specd up` (and `specd generate`'s own stack) runs
+    here: --draft-threads and --target-threads, else --threads, else their share of this machine's
+    cores for each one that computes on the CPU (`share_cores`: the target all of them, the draft a
+    quarter; docs/deploying/one-machine.md). None: the service's own default (all cores), for a
+    service on a GPU."""
     from specd.deploy.local import share_cores, usable_cores
 
-    given = {role: getattr(args, f"{role}_threads") or args.threads for role in ("draft", "target")}
+    given = {role: getattr(args, f"{role}_threads", None) or args.threads for role in ("draft", "target")}
     if all(given.values()):
         return given
     shared = share_cores(usable_cores(), on_cpu=[role for role in given if computes_on_cpu(role, args)])
