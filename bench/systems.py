@@ -418,13 +418,12 @@ def machine_facts() -> dict:
     import torch
     import transformers
 
-    from specd.model.loading import _cpu_flags
-    from specd.model.machine import machine
+    from specd.model.machine import cpu_flags, cpu_name
 
-    flags = _cpu_flags()
+    flags = cpu_flags()
     cuda = torch.cuda.is_available()
     return {
-        "cpu": machine()["cpu"],
+        "cpu": cpu_name(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu_count": os.cpu_count(),

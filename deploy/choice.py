@@ -17,7 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,11 +63,10 @@ def save(report: dict, draft_model: str, target_model: str) -> Choice | None:
     best = max(results.values(), key=lambda result: result["tokens_per_s"] or 0.0)
     default = report["results"].get(report.get("default") or "", {})
     choice = Choice(best["engine"], best["drafter"], best["tokens_per_s"], default.get("tokens_per_s"), time.time())
+    from specd.model.store import write_json
+
     path, key = _path(draft_model, target_model)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-        json.dump({"format": FORMAT, "key": key, "choice": choice.__dict__}, handle, indent=1)
-    os.replace(handle.name, path)
+    write_json(path, {"format": FORMAT, "key": key, "choice": choice.__dict__})
     return choice
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from specd.model.machine import cpu_name
+
 DEVICE_CHOICES = "auto, cpu, cuda or cuda:N"
 
 
@@ -57,18 +59,7 @@ def device_memory(device: torch.device) -> DeviceMemory:
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return DeviceMemory(torch.cuda.get_device_name(device), total, free)
-    return DeviceMemory(_cpu_name(), *_host_memory())
-
-
-@functools.cache
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
+    return DeviceMemory(cpu_name() or "cpu", *_host_memory())
 
 
 def _host_memory() -> tuple[int, int]:

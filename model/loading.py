@@ -8,6 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from specd.model.loaded import LoadedModel, folder_tokenizer
+from specd.model.machine import cpu_flags
 from specd.model.store import find_gguf
 from specd.proto.limits import AUTO_CACHED_TOKENS, ENGINES, QUANTIZATIONS, Limits, is_sim_engine
 
@@ -24,17 +25,7 @@ def default_dtype(device: torch.device | str = "cpu") -> str:
     """
     if torch.device(device).type == "cuda":
         return "bfloat16"
-    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & _cpu_flags() else "float32"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    return "bfloat16" if {"avx512_bf16", "amx_bf16"} & cpu_flags() else "float32"
 
 
 def resolve_quantization(role: str, choice: str, device: torch.device | str = "cpu") -> str:

@@ -28,9 +28,7 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import statistics
-import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -40,7 +38,7 @@ import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.machine import machine
-from specd.model.store import cache_root
+from specd.model.store import cache_root, write_json
 
 PROFILE_POSITIONS = 9  # a decode step, then verifies of K = 1..8 (the orchestrator's default K bound)
 CONTEXT = 128  # prompt tokens before the scored positions
@@ -91,8 +89,7 @@ def pass_profile(engine: Engine, settings: dict | None = None) -> PassProfile | 
         profile.prefill_per_token * 1000,
         path,
     )
-    content = {"format": FORMAT, "key": key, **asdict(profile), "measured": time.time()}
-    _write(path, {**content, "seconds": list(profile.seconds)})
+    _write(path, {"format": FORMAT, "key": key, **asdict(profile), "measured": time.time()})
     return profile
 
 
@@ -167,12 +164,9 @@ def cached_profiles() -> list[dict]:
 
 
 def _write(path: Path, content: dict) -> None:
-    """Atomically (several services may load at once), and never failing the load."""
+    """Kept whole (several services may load at once), the oldest beyond KEEP dropped; never failing the load."""
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
-            json.dump(content, handle, indent=1)
-        os.replace(handle.name, path)
+        write_json(path, content)
         kept = sorted(path.parent.glob("passes-*.json"), key=lambda kept: kept.stat().st_mtime)
         for stale in kept[:-KEEP]:  # models come and go (a test's in a temporary folder): the newest KEEP stay
             stale.unlink(missing_ok=True)

@@ -15,6 +15,8 @@ Layout under `cache_root()`:
                           `from_pretrained`: the transformers engine's; converted from the GGUF by
                           `specd models fetch --engine transformers`, or when first loaded
     tmp/, locks/          scratch space and per-model locks
+    profiles/             what this machine measured: each model's passes (model/pass_profile.py,
+                          passes-*.json) and the fastest configuration (deploy/choice.py, choice-*.json)
 
 Every file and directory appears under its final name only once complete (temp name, then
 `os.replace`), so an interrupted fetch leaves nothing that looks finished.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -136,6 +139,15 @@ def gguf_path(spec: ModelSpec) -> Path:
 
 def tokenizer_dir(spec: ModelSpec) -> Path:
     return cache_root() / "tokenizers" / spec.name
+
+
+def write_json(path: Path, content: dict) -> None:
+    """`content` as JSON at `path`, under its final name only once complete (several processes may
+    write the same file at once: each replaces it whole)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as handle:
+        json.dump(content, handle, indent=1)
+    os.replace(handle.name, path)
 
 
 def _scratch_dir() -> Path:
