@@ -94,7 +94,7 @@ from transformers import PreTrainedTokenizerBase
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loaded import tokenizer_files, tokenizer_fingerprint
-from specd.model.prefix_cache import BLOCK_TOKENS
+from specd.model.prefix_cache import BLOCK_TOKENS, prefill_cuts, starts_call
 from specd.proto.limits import EXACTNESS
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
@@ -144,6 +144,7 @@ class LlamaCppEngine:
         self.sequences: dict[str, int] = {}  # session id -> its seq id
         self.lengths: dict[str, int] = {}  # session id -> tokens in its KV
         self.canonical: dict[str, int] = {}  # session id -> leading tokens a fresh prefill computes the same (reusable)
+        self.boundaries = frozenset(eos_token_ids)  # a prefill call ends before each (prefix_cache.prefill_cuts)
         self.free = list(range(sessions))  # a heap: the lowest free seq id first, so a pass's seq ids stay consecutive
         self.exactness = exactness
         if exactness == "batched":  # every scored position of a pass in one call: ggml's gemm from 4 rows
@@ -280,7 +281,7 @@ class LlamaCppEngine:
         out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
         try:
             sequences = [self.sequences[row.session_id] for row in rows]
-            for call in _calls(rows, starts, self.call_tokens, sequences):
+            for call in _calls(rows, starts, self.call_tokens, sequences, self.boundaries):
                 self._decode(rows, starts, out, call)
         except BaseException:
             for row, start in zip(rows, starts):
@@ -290,8 +291,9 @@ class LlamaCppEngine:
             raise
         for row, start in zip(rows, starts):
             self.lengths[row.session_id] = start + len(row.tokens)
-            head_end = start + len(row.tokens) - row.keep_logits  # prefilled in calls of one block each (_calls)
-            if self.canonical[row.session_id] == start and start % PREFILL_BLOCK == 0:
+            head_end = start + len(row.tokens) - row.keep_logits  # prefilled in the canonical calls (_calls)
+            first = row.tokens[0] if row.tokens else -1
+            if self.canonical[row.session_id] == start and starts_call(start, first, self.boundaries):
                 self.canonical[row.session_id] = head_end  # a fresh prefill of this head makes these calls
         return [torch.from_numpy(logits) for logits in out]
 
@@ -338,13 +340,13 @@ class LlamaCppEngine:
 
     def reusable(self, session_id: str) -> int:
         """The session's leading tokens that prefill calls computed, from token 0 or from a restored
-        prefix, up to the end of a head: each whole block ran as one llama_decode call of its own
-        tokens after the same KV (`_calls`), exactly as a fresh prefill of any longer head runs it,
-        and the partial block after them as a fresh prefill of exactly this head runs it; restoring
-        them is bit for bit that prefill. Checked at load (`_prefix_exact`): none where it fails.
-        Tokens a pass kept logits for (decode steps, verifies) never count: they ran through the
-        one-row kernels, which round otherwise than a prefill's matmuls. A crop inside the head
-        keeps its whole blocks only."""
+        prefix, up to the end of a head: each call ran from one cut to the next (`prefill_cuts`: every
+        block, every end-of-turn token) after the same KV (`_calls`), exactly as a fresh prefill of any
+        longer head runs it, and the last one as a fresh prefill of exactly this head (or of one with a
+        cut right after it) runs it; restoring them is bit for bit that prefill. Checked at load
+        (`_prefix_exact`): none where it fails. Tokens a pass kept logits for (decode steps, verifies)
+        never count: they ran through the one-row kernels, which round otherwise than a prefill's
+        matmuls. A crop inside the head keeps its whole blocks only."""
         return self.canonical.get(session_id, 0) if getattr(self, "prefixes_exact", True) else 0
 
     def snapshot(self, session_id: str, length: int) -> "SequenceState":
@@ -416,18 +418,19 @@ def exact_settings() -> tuple[tuple[bool, int], ...]:
     return tuple(setting for setting in EXACT_SETTINGS if not (amx and setting[0]))
 
 
-def _calls(rows: list[Row], starts: list[int], call_tokens: int, sequences: list[int]) -> list[list[tuple[int, int]]]:
+def _calls(
+    rows: list[Row], starts: list[int], call_tokens: int, sequences: list[int], boundaries: frozenset[int]
+) -> list[list[tuple[int, int]]]:
     """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
     before the ones it keeps logits for (a prefill, a catch-up), in calls of their own cut at every
-    PREFILL_BLOCK-th position of the session, so a block's call is the same whichever position the
-    prefill started from (a restored prefix, token 0); then the kept positions of every row together
-    in calls of `call_tokens`, in the order of the rows' seq ids (`sequences`): llama.cpp puts
-    sequences in one ubatch only while their seq ids rise by one (`split_equal`), else it runs the call
-    as several graphs."""
+    PREFILL_BLOCK-th position of the session and before every end-of-turn token (`prefill_cuts`), so a
+    call is the same whichever cut the prefill started from (a restored prefix, token 0); then the
+    kept positions of every row together in calls of `call_tokens`, in the order of the rows' seq ids
+    (`sequences`): llama.cpp puts sequences in one ubatch only while their seq ids rise by one
+    (`split_equal`), else it runs the call as several graphs."""
     calls = []
     for index, (row, start) in enumerate(zip(rows, starts)):
-        head = len(row.tokens) - row.keep_logits
-        cuts = [0, *range(PREFILL_BLOCK - start % PREFILL_BLOCK, head, PREFILL_BLOCK), head]
+        cuts = prefill_cuts(row.tokens, start, len(row.tokens) - row.keep_logits, boundaries)
         calls += [[(index, offset) for offset in range(a, b)] for a, b in zip(cuts, cuts[1:]) if b > a]
     kept = [
         (index, offset)

@@ -50,10 +50,21 @@ class ModelService:
         self.store.forward([Row(cursor.session_id, cursor.tokens)])
         return len(session.tokens)
 
-    def release(self, session_id: str) -> bool:
-        released = self.store.release(session_id)
-        self._trim_when_idle(released)
+    def release(self, session_id: str, committed: list[int] | None = None) -> bool:
+        """End a session; `committed`, its request's tokens, for the prefix cache to keep after the
+        reply (`keep_answers`: SessionStore.release)."""
+        if committed:
+            self.store.check_tokens(committed, "committed tokens")
+        released = self.store.release(session_id, committed)
+        self._trim_when_idle(released and not self.store.answers)
         return released
+
+    def keep_answers(self) -> None:
+        """Keep what released sessions' requests answered (SessionStore.keep_answer), then give the
+        memory back if no session is left."""
+        kept = bool(self.store.answers)
+        self.store.keep_answers()
+        self._trim_when_idle(kept)
 
     def evict_idle(self) -> list[str]:
         evicted = self.store.evict_idle()

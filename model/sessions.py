@@ -14,6 +14,7 @@ Not thread-safe: the service that owns a store calls it from one worker thread.
 """
 
 import time
+from collections import deque
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -24,6 +25,10 @@ from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, In
 from specd.model.prefix_cache import BLOCK_TOKENS, PrefixCache
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
+
+ANSWER_SESSION = "\0answer"  # the session a kept answer is prefilled in (a client's id holds no NUL: `open`)
+ANSWER_MOST = 1024  # the most tokens keeping one answer computes
+ANSWERS_WAITING = 16  # answers released and not yet kept, at most (the oldest is dropped)
 
 
 @dataclass(frozen=True)
@@ -53,7 +58,8 @@ class SessionStore:
         self.limits = limits
         self.sessions: dict[str, Session] = {}
         keeps = hasattr(engine, "snapshot") and limits.prefix_cache_tokens > 0
-        self.prefix = PrefixCache(limits.prefix_cache_tokens if keeps else 0)
+        self.prefix = PrefixCache(limits.prefix_cache_tokens if keeps else 0, engine.description.eos_token_ids)
+        self.answers: deque[tuple[str, list[int]]] = deque(maxlen=ANSWERS_WAITING)  # (salt, tokens) to keep
         self.in_block = False  # inside `passes`: the engine may hold the sessions' KV elsewhere until it ends
 
     @property
@@ -62,8 +68,8 @@ class SessionStore:
 
     def open(self, cursor: Cursor, extra_tokens: int = 0) -> Session:
         """The session for a Prefill, or for a call from token 0: created if new, else synced like any call."""
-        if not 0 < len(cursor.session_id) <= 128:
-            raise InvalidRequest("session_id must be 1..128 characters")
+        if not 0 < len(cursor.session_id) <= 128 or "\0" in cursor.session_id:
+            raise InvalidRequest("session_id must be 1..128 characters, none of them NUL")
         if cursor.session_id in self.sessions:
             return self.sync(cursor, extra_tokens)
         if cursor.start != 0:
@@ -224,9 +230,50 @@ class SessionStore:
                     continue
                 self.prefix.insert(session.salt, session.tokens[:length], copy)
 
-    def release(self, session_id: str) -> bool:
+    def release(self, session_id: str, committed: list[int] | None = None) -> bool:
+        """End the session. `committed`: its request's tokens, prompt and answer; where they are a
+        chat's, they wait to be kept (`keep_answers`, which the caller runs after replying)."""
         self.engine.release(session_id)
-        return self.sessions.pop(session_id, None) is not None
+        session = self.sessions.pop(session_id, None)
+        if session is not None and committed and self.prefix.enabled:
+            if any(token in self.prefix.boundaries for token in committed):
+                self.answers.append((session.salt, committed))
+        return session is not None
+
+    def keep_answers(self) -> None:
+        """Keep the answers released sessions left (`keep_answer`), oldest first."""
+        while self.answers:
+            self.keep_answer(*self.answers.popleft())
+
+    def keep_answer(self, salt: str, tokens: list[int]) -> int:
+        """Keep a finished request's tokens (a chat's: the prompt and the answer) in the prefix cache as
+        a fresh prefill computes them: from the deepest prefix of them the store holds (the prompt's
+        messages, kept after its opening pass), the rest prefilled in the canonical calls in a session
+        of its own, then copied. The answer's decode steps computed its KV with other kernels, so the
+        next turn, which repeats these tokens, would compute them again in its own prefill; kept now,
+        it finds them all, up to the answer's end where its end-of-turn token follows (an answer that
+        ended on one leaves that token to the next prompt: a call starts there). At most ANSWER_MOST
+        tokens are computed (a prompt whose prefix was evicted is not computed again whole). Never
+        fails: out of memory or of sessions it keeps nothing. Returns the tokens it computed."""
+        if tokens and tokens[-1] in self.prefix.boundaries:
+            tokens = tokens[:-1]
+        entry, length = self.prefix.lookup(salt, tokens, len(tokens))
+        if not self.prefix.wants(salt, tokens) or len(tokens) - length > ANSWER_MOST:
+            return 0
+        try:
+            if entry is not None:
+                self.engine.restore(ANSWER_SESSION, entry.snapshot, length)
+            self.engine.forward([Row(ANSWER_SESSION, tokens[length:], 0)])
+            if self.engine.reusable(ANSWER_SESSION) < len(tokens):
+                return 0
+            self.prefix.insert(salt, tokens, self.engine.snapshot(ANSWER_SESSION, len(tokens)))
+        except (CapacityExceeded, MemoryError):  # no room for it: nothing kept, nothing else changed
+            self.prefix.failed()
+            return 0
+        finally:
+            self.engine.release(ANSWER_SESSION)
+        self.prefix.answers += 1
+        return len(tokens) - length
 
     def evict_idle(self) -> list[str]:
         cutoff = time.monotonic() - self.limits.idle_timeout_s

@@ -9,11 +9,12 @@ the rows or they join a larger batch. Everything stays on the device; logits com
 The prefix cache's copies (`snapshot`, `restore`: model/prefix_cache.py) are KV tensors on the
 device too: a copy from wherever the session sits, and a restored session starts in a cache of its own.
 Exact reuse, as the llama.cpp engine does it: a lone session's prompt (the tokens before those a pass
-keeps logits for) runs in calls cut at every BLOCK_TOKENS-th position of the session, so a block's
-call is the same whether the session was fresh or restored from a prefix up to that block, and the
-kept rows run as one call after them; `reusable` counts only tokens computed that way (not those of a
-padded batch or a static row, whose shapes differ, nor decode steps). At load the engine prefills a
-probe both ways and keeps no prefix if they differ bit for bit (`prefixes_exact`, `_prefix_exact`).
+keeps logits for) runs in calls cut at every BLOCK_TOKENS-th position of the session and before every
+end-of-turn token (model/prefix_cache.py `prefill_cuts`), so a call is the same whether the session
+was fresh or restored from a prefix up to that cut, and the kept rows run as one call after them;
+`reusable` counts only tokens computed that way (not those of a padded batch or a static row, whose
+shapes differ, nor decode steps). At load the engine prefills a probe both ways and keeps no prefix
+if they differ bit for bit (`prefixes_exact`, `_prefix_exact`).
 Not thread-safe: the service's model thread is its only caller.
 """
 
@@ -29,7 +30,7 @@ from specd.model.devices import kv_token_budget
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
 from specd.model.loaded import LoadedModel, tokenizer_files, tokenizer_fingerprint
-from specd.model.prefix_cache import BLOCK_TOKENS
+from specd.model.prefix_cache import BLOCK_TOKENS, prefill_cuts, starts_call
 from specd.model.static_slot import BATCH_BUCKETS, StaticSlots
 
 # A row of the static slots holds a session of up to this many tokens (the model's own limit if
@@ -48,6 +49,7 @@ class TransformersEngine:
         self.device = loaded.device
         self.caches: dict[str, DynamicCache] = {}
         self.canonical: dict[str, int] = {}  # session id -> leading tokens a fresh prefill computes the same
+        self.boundaries = frozenset(loaded.eos_token_ids)  # a prefill call ends before each (prefill_cuts)
         self.batch: PaddedBatch | None = None  # while a block of passes over several sessions runs
         self.description = ModelDescription(
             name=loaded.name,
@@ -144,9 +146,15 @@ class TransformersEngine:
         cache = self._cache(row.session_id)
         length = cache.get_seq_length()
         head = len(row.tokens) - row.keep_logits
-        # From a block boundary the session reached canonically: the head in one call per block (_cuts)
-        canonical = self.canonical.get(row.session_id, 0) == length and length % BLOCK_TOKENS == 0
-        cuts = _cuts(length, head, len(row.tokens)) if canonical else [0, len(row.tokens)]
+        # From a cut the session reached canonically: the head in the canonical calls (prefill_cuts)
+        canonical = self.canonical.get(row.session_id, 0) == length and starts_call(
+            length, row.tokens[0], self.boundaries
+        )
+        cuts = (
+            sorted({*prefill_cuts(row.tokens, length, head, self.boundaries), len(row.tokens)})
+            if canonical
+            else [0, len(row.tokens)]
+        )
         try:
             for start, end in zip(cuts, cuts[1:]):
                 tokens = torch.tensor([row.tokens[start:end]], dtype=torch.long, device=self.device)
@@ -325,14 +333,6 @@ class KVSnapshot:
     def layers(self):
         """(keys, values) [kv heads, length, head dim] of each layer, views of the snapshot."""
         return zip(self.keys.unbind(0), self.values.unbind(0))
-
-
-def _cuts(start: int, head: int, length: int) -> list[int]:
-    """Where a lone row's calls begin and end (offsets in its `length` tokens, the session holding
-    `start`): the head's tokens cut at every BLOCK_TOKENS-th position of the session, then the rest
-    (the rows whose logits are kept) in one call."""
-    inner = range(BLOCK_TOKENS - start % BLOCK_TOKENS, head, BLOCK_TOKENS)
-    return sorted({0, *inner, head, length})
 
 
 def _crop(cache: DynamicCache, length: int) -> None:

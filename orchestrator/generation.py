@@ -429,7 +429,7 @@ class Generation:
         # to another replica, for the Release's timeout).
         await self.ahead.discard()  # a call drafting ahead ends before its session does
         sessions = {"draft": self.draft, "target": self.target}
-        waited = [session.release() for name, session in sessions.items() if name != self.failed_service]
+        waited = [session.release(self.committed) for name, session in sessions.items() if name != self.failed_service]
         later = [session.release() for session in self.left]
         if self.failed_service in sessions:
             later.append(sessions[self.failed_service].release())

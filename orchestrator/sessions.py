@@ -153,10 +153,13 @@ class RemoteSession:
         self._record(committed + list(reply.emitted_tokens), reply.cached_tokens)
         return reply, seconds
 
-    async def release(self) -> None:
+    async def release(self, committed: list[int] | None = None) -> None:
+        """End the session; `committed`: the request's tokens, which the service's prefix cache may keep
+        for a conversation's next turn (common.proto ReleaseRequest)."""
         if self.opened:
             self.opened = False
-            await self.stub.Release(common_pb2.ReleaseRequest(session_id=self.session_id), timeout=RELEASE_TIMEOUT_S)
+            request = common_pb2.ReleaseRequest(session_id=self.session_id, committed=committed or ())
+            await self.stub.Release(request, timeout=RELEASE_TIMEOUT_S)
 
     # -- the record ----------------------------------------------------------------------------
 

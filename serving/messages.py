@@ -115,6 +115,7 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         prefix_cache_miss_tokens=prefixes.miss_tokens,
         prefix_cache_evictions=prefixes.evictions,
         prefix_cache_failures=prefixes.failures,
+        prefix_cache_answers=prefixes.answers,
         pass_seconds=service.passes.seconds if service.passes else (),
         prefill_seconds_per_token=service.passes.prefill_per_token if service.passes else 0.0,
     )

@@ -111,6 +111,7 @@ def _prefix_cache_families(stats):
         ("miss_tokens", "Prompt tokens new sessions computed while the prefix cache was on", stats.miss_tokens),
         ("evictions", "Prefix-cache entries evicted for its budget or for room", stats.evictions),
         ("failures", "Prefix-cache copies not made or restored for want of memory: ran without", stats.failures),
+        ("answers", "Finished chat requests whose answers the prefix cache kept for the next turn", stats.answers),
     ):
         yield CounterMetricFamily(f"specd_prefix_cache_{name}", documentation, value=value)
     for name, documentation, value in (

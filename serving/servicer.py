@@ -31,5 +31,8 @@ class ModelServicer:
         return common_pb2.PrefillResponse(cached_tokens=cached)
 
     async def Release(self, request, context):
-        released = await self.thread.call(context, self.service_type.release, request.session_id)
+        committed = list(request.committed) or None
+        released = await self.thread.call(context, self.service_type.release, request.session_id, committed)
+        if committed:  # after the reply: the request that ended waits for none of it
+            self.thread.later(self.service_type.keep_answers)
         return common_pb2.ReleaseResponse(released=released)

@@ -4,6 +4,7 @@ state; refusals leave as status codes (serving/messages.py).
 """
 
 import asyncio
+import logging
 import math
 import threading
 import time
@@ -17,6 +18,8 @@ from specd.model.service import ModelService
 from specd.proto.contract import LIVE_SESSIONS_KEY, PASS_CALLS_KEY, PASS_SECONDS_KEY, PASS_TOKENS_KEY
 from specd.serving.messages import abort_with, model_info
 from specd.v1 import common_pb2
+
+log = logging.getLogger("specd.serving")
 
 
 class ModelThread:
@@ -35,6 +38,14 @@ class ModelThread:
     async def run(self, method: Callable, *args):
         """Run method(service, *args) with no RPC attached (housekeeping)."""
         return await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [method(self.service, *args)])))
+
+    def later(self, method: Callable, *args) -> None:
+        """Queue method(service, *args) behind the calls waiting now; nobody waits for it (housekeeping)."""
+        try:
+            future = self.scheduler.submit(Job(lambda _: [method(self.service, *args)]))
+        except RuntimeError:  # shut down: nothing left to keep up
+            return
+        future.add_done_callback(_log_failure)
 
     async def info(self, context: grpc.aio.ServicerContext) -> common_pb2.ModelInfo:
         """Answered on the event loop: Info must not wait behind a Verify."""
@@ -96,6 +107,11 @@ class ModelThread:
 
     def shutdown(self) -> None:
         self.scheduler.close()
+
+
+def _log_failure(future) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.error("housekeeping on the model thread failed", exc_info=future.exception())
 
 
 def _abandoned_check(context: grpc.aio.ServicerContext) -> Callable[[], str | None]:

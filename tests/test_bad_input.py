@@ -149,6 +149,12 @@ CASES = [
          Code.INVALID_ARGUMENT, "UTF-8"),
     Case("Release unknown session is fine", "draft", "Release", common_pb2.ReleaseRequest(session_id="nobody"),
          Code.OK, ""),
+    Case("Release committed out-of-vocabulary id", "draft", "Release",
+         common_pb2.ReleaseRequest(session_id="nobody", committed=[1, VOCAB + 3]),
+         Code.INVALID_ARGUMENT, f"committed tokens contain id {VOCAB + 3}, outside the vocabulary"),
+    Case("Prefill session id with a NUL", "draft", "Prefill",
+         common_pb2.PrefillRequest(cursor=cursor(start=0, session="\0answer")),
+         Code.INVALID_ARGUMENT, "none of them NUL"),
     # -- specd.v1.TargetService --------------------------------------------------------------------
     Case("Verify out-of-vocabulary draft token", "target", "Verify",
          target_pb2.VerifyRequest(cursor=cursor(), draft_tokens=[5, 10**6]),

@@ -354,9 +354,9 @@ def test_llama_cpp_seq_ids_stay_compact_and_a_pass_runs_in_seq_id_order(tiny_ggu
     rows = [Row("d", [1, 2], 2), Row("b", [3, 4, 5], 1), Row("e", [6], 1)]
     starts = [engine.lengths[row.session_id] for row in rows]
     sequences = [engine.sequences[row.session_id] for row in rows]  # 3, 1, 0
-    calls = llama_cpp_engine._calls(rows, starts, 512, sequences)
+    calls = llama_cpp_engine._calls(rows, starts, 512, sequences, frozenset())
     assert calls == [[(1, 0), (1, 1)], [(2, 0), (1, 2), (0, 0), (0, 1)]]  # b's head first, then e, b, d
-    assert llama_cpp_engine._calls(rows, starts, 3, sequences)[1:] == [[(2, 0), (1, 2), (0, 0)], [(0, 1)]]
+    assert llama_cpp_engine._calls(rows, starts, 3, sequences, frozenset())[1:] == [[(2, 0), (1, 2), (0, 0)], [(0, 1)]]
 
 
 def test_llama_cpp_probes_a_model_once_per_process_and_shape(tiny_gguf, monkeypatch):

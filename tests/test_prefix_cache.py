@@ -100,10 +100,11 @@ def test_a_head_that_ends_inside_a_block_is_found_whole_and_only_as_itself():
     assert cache.lookup("", short, most=19) == (None, 0)
     assert cache.lookup("tenant", short + [7], most=20) == (None, 0)
     assert cache.wants("", short) == 0 and cache.wants("", short + [7]) == 21
-    longer = prompt + [7]  # the same block and a longer tail: the shorter is dropped for it
+    longer = prompt + [7]  # a longer tail, no cut where the shorter ends: it stays, the next to be evicted
     cache.insert("", longer, Copy(10))
-    assert cache.lookup("", prompt + [7], most=B + 10)[1] == B and cache.stats().entries == 2
-    assert cache.lookup("", longer + [9], most=B + 11)[1] == B + 11 and cache.stats().blocks == 1
+    assert next(iter(cache.entries.values())).tokens == tuple(prompt) and cache.stats().entries == 3
+    assert cache.lookup("", prompt + [7], most=B + 10)[1] == B + 10
+    assert cache.lookup("", longer + [9], most=B + 11)[1] == B + 11 and cache.stats().blocks == 2
     # An entry under a block is found by its head alone: one that a longer entry starts with stays
     # until the budget evicts it (still serving its own head), as finding it would cost a hash a length.
 

@@ -71,6 +71,23 @@ def test_reusable_is_what_prefill_calls_computed_and_zero_for_an_unknown_session
     assert engine.reusable("source") == 64
 
 
+def test_a_prompt_restored_at_a_messages_end_goes_on_in_the_calls_of_a_fresh_prefill(tiny_loaded):
+    """Issue 49: prefill calls end before every end-of-turn token too (model/prefix_cache.py
+    `prefill_cuts`); restored at one inside a block, the rest of the prompt runs in the calls a fresh
+    prefill makes, so all of it stays reusable and its logits are the fresh prefill's bit for bit."""
+    engine = make(tiny_loaded["target"], "dynamic")
+    end = 100  # inside the second block
+    prompt = PROMPT[:end] + [engine.description.eos_token_ids[0]] + PROMPT[end:]
+    fresh = feed(engine, "fresh", prompt, 1)
+    assert engine.reusable("fresh") == len(prompt) - 1
+    engine.restore("restored", engine.snapshot("fresh", end), end)
+    assert torch.equal(feed(engine, "restored", prompt[end:], 1), fresh)
+    assert engine.reusable("restored") == len(prompt) - 1
+    engine.restore("mid-message", engine.snapshot("fresh", end - 1), end - 1)  # not a cut: reusable no further
+    feed(engine, "mid-message", prompt[end - 1 :], 1)
+    assert engine.reusable("mid-message") == end - 1
+
+
 def test_where_the_probe_finds_restored_and_fresh_apart_nothing_is_reusable(tiny_loaded, monkeypatch):
     monkeypatch.setattr(TransformersEngine, "_prefix_exact", lambda engine: False)
     engine = make(tiny_loaded["target"], "dynamic")

@@ -155,3 +155,39 @@ async def test_a_prompt_served_from_the_prefix_cache_gives_the_same_tokens(real_
     assert torch.equal(fresh, engine.forward([Row("resumed", tokens[64:], 1)])[0])
     for session_id in ("fresh", "resumed"):
         engine.release(session_id)
+
+
+async def test_a_chats_next_turn_finds_the_last_prompt_and_answer_kept_and_says_the_same(real_stack):
+    """Issue 49 on the real pair: the orchestrator's Release hands the services a finished request's
+    tokens; where they are a chat's, the target prefills them again in the calls a fresh prefill makes
+    and keeps them (SessionStore.keep_answer), so the next turn, sent as text the way a client does,
+    takes from the cache its whole history up to its own message, and says what it says with the cache
+    off (another salt); restored at a message's end inside a block, the engine's logits are a fresh
+    prefill's bit for bit."""
+    from specd.bench.chat import render_prompt
+
+    target = real_stack.services.target_server.thread.service
+    answers = target.prefix_stats().answers
+    history: list[tuple[str, str]] = []
+    turns = []
+    for message in ("Write a Python function that reverses a string.", "Now make it reverse the words."):
+        prompt = render_prompt("You are a helpful assistant.", history, message)
+        runs = []
+        for salt in ("chat", f"nothing held for {len(history)}"):
+            runs.append(await complete(real_stack.client, make_request(prompt, 24, cache_salt=salt, ignore_eos=True)))
+        assert runs[0].token_ids == runs[1].token_ids
+        turns.append(runs[0].final.usage)
+        history.append((message, runs[0].text))
+    assert target.prefix_stats().answers - answers >= 2
+    first, second = turns
+    # everything turn 1 sent and was answered, up to the end-of-turn token after the answer
+    assert second.cached_prompt_tokens >= first.prompt_tokens + 24 - 1, (first, second)
+    engine = target.engine
+    tokens = engine.tokenizer(render_prompt("You are a helpful assistant.", history, "And in C?")).input_ids
+    fresh = engine.forward([Row("fresh", tokens, 1)])[0]
+    state = engine.snapshot("fresh", engine.reusable("fresh"))
+    end = tokens.index(engine.description.eos_token_ids[0], 70)  # the end of a message, inside a block
+    engine.restore("resumed", state, end)
+    assert end % 64 and torch.equal(fresh, engine.forward([Row("resumed", tokens[end:], 1)])[0])
+    for session_id in ("fresh", "resumed"):
+        engine.release(session_id)

@@ -72,7 +72,7 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
     from specd.model.prefix_cache import PrefixStats
 
     counts = dict(hit_tokens=48, miss_tokens=16, entries=2, blocks=5, tokens=80, bytes=123_456, evictions=1)
-    said = PrefixStats(**counts, budget_tokens=4096, failures=3)
+    said = PrefixStats(**counts, budget_tokens=4096, failures=3, answers=6)
     for server, stub in (
         (tiny_services.draft_server, tiny_services.draft),
         (tiny_services.target_server, tiny_services.target),
@@ -89,7 +89,8 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
             info.prefix_cache_evictions,
             info.prefix_cache_budget_tokens,
             info.prefix_cache_failures,
-        ) == (48, 16, 2, 5, 80, 123_456, 1, 4096, 3)
+            info.prefix_cache_answers,
+        ) == (48, 16, 2, 5, 80, 123_456, 1, 4096, 3, 6)
         exported = {
             line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
             for line in generate_latest(server.metrics.registry).decode().splitlines()
@@ -100,6 +101,7 @@ async def test_info_and_the_metrics_report_the_prefix_cache(tiny_services, monke
             "specd_prefix_cache_miss_tokens_total": 16,
             "specd_prefix_cache_evictions_total": 1,
             "specd_prefix_cache_failures_total": 3,
+            "specd_prefix_cache_answers_total": 6,
             "specd_prefix_cache_entries": 2,
             "specd_prefix_cache_blocks": 5,
             "specd_prefix_cache_tokens": 80,

@@ -50,7 +50,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model", "role", "vocab_size", "tokenizer_fingerprint", "dtype", "max_session_tokens", "max_sessions", "max_cached_tokens", "max_draft_tokens", "eos_token_ids", "live_sessions", "cached_tokens", "max_batch_size", "max_batch_tokens", "batch_sizes", "queued_calls", "quantization", "device", "device_name", "device_memory_total_bytes", "device_memory_free_bytes", "batched_tokens", "max_q_bytes", "prefix_cache_budget_tokens", "prefix_cache_tokens", "prefix_cache_entries", "prefix_cache_blocks", "prefix_cache_bytes", "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "prefix_cache_evictions", "prefix_cache_failures", "pass_seconds", "prefill_seconds_per_token")
+    __slots__ = ("model", "role", "vocab_size", "tokenizer_fingerprint", "dtype", "max_session_tokens", "max_sessions", "max_cached_tokens", "max_draft_tokens", "eos_token_ids", "live_sessions", "cached_tokens", "max_batch_size", "max_batch_tokens", "batch_sizes", "queued_calls", "quantization", "device", "device_name", "device_memory_total_bytes", "device_memory_free_bytes", "batched_tokens", "max_q_bytes", "prefix_cache_budget_tokens", "prefix_cache_tokens", "prefix_cache_entries", "prefix_cache_blocks", "prefix_cache_bytes", "prefix_cache_hit_tokens", "prefix_cache_miss_tokens", "prefix_cache_evictions", "prefix_cache_failures", "pass_seconds", "prefill_seconds_per_token", "prefix_cache_answers")
     class BatchSizesEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class ModelInfo(_message.Message):
     PREFIX_CACHE_FAILURES_FIELD_NUMBER: _ClassVar[int]
     PASS_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_SECONDS_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_ANSWERS_FIELD_NUMBER: _ClassVar[int]
     model: str
     role: str
     vocab_size: int
@@ -126,7 +127,8 @@ class ModelInfo(_message.Message):
     prefix_cache_failures: int
     pass_seconds: _containers.RepeatedScalarFieldContainer[float]
     prefill_seconds_per_token: float
-    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., quantization: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_total_bytes: _Optional[int] = ..., device_memory_free_bytes: _Optional[int] = ..., batched_tokens: _Optional[int] = ..., max_q_bytes: _Optional[int] = ..., prefix_cache_budget_tokens: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_miss_tokens: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_failures: _Optional[int] = ..., pass_seconds: _Optional[_Iterable[float]] = ..., prefill_seconds_per_token: _Optional[float] = ...) -> None: ...
+    prefix_cache_answers: int
+    def __init__(self, model: _Optional[str] = ..., role: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ..., max_session_tokens: _Optional[int] = ..., max_sessions: _Optional[int] = ..., max_cached_tokens: _Optional[int] = ..., max_draft_tokens: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., live_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., max_batch_size: _Optional[int] = ..., max_batch_tokens: _Optional[int] = ..., batch_sizes: _Optional[_Mapping[int, int]] = ..., queued_calls: _Optional[int] = ..., quantization: _Optional[str] = ..., device: _Optional[str] = ..., device_name: _Optional[str] = ..., device_memory_total_bytes: _Optional[int] = ..., device_memory_free_bytes: _Optional[int] = ..., batched_tokens: _Optional[int] = ..., max_q_bytes: _Optional[int] = ..., prefix_cache_budget_tokens: _Optional[int] = ..., prefix_cache_tokens: _Optional[int] = ..., prefix_cache_entries: _Optional[int] = ..., prefix_cache_blocks: _Optional[int] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_miss_tokens: _Optional[int] = ..., prefix_cache_evictions: _Optional[int] = ..., prefix_cache_failures: _Optional[int] = ..., pass_seconds: _Optional[_Iterable[float]] = ..., prefill_seconds_per_token: _Optional[float] = ..., prefix_cache_answers: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -145,10 +147,12 @@ class PrefillResponse(_message.Message):
     def __init__(self, cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "committed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    committed: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., committed: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released",)
