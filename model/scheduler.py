@@ -1,4 +1,5 @@
-"""The model thread's queue: first come, first served, with waiting calls of one kind run together.
+"""The model thread's queue: first come, first served, with waiting calls of one kind run together,
+and calls that open a request first.
 
 All model work runs on one thread (torch must not block the event loop, and a session must
 never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
@@ -9,6 +10,12 @@ pass pays every row's length as the longest's); before it starts, it gives the s
 moment to come back, so streams that alternate fall into step and share passes. The
 oldest call always runs next, so nothing starves: a call waits at most for the passes of the
 calls that were queued before it.
+
+Except one kind of call: a call that opens a request (a cursor from token 0: the prompt's prefill,
+whose first token the client waits for) runs before older calls, unless the oldest has waited
+`opening_first_s`: a stream that has its first token loses a pass's time, one that waits for it gains
+the queue's, as vLLM's scheduler puts prefills first. A kept answer (model/sessions.py keep_answer)
+counts as one: the next turn's opening call, queued after it, would otherwise compute it itself.
 
 How long that moment is: `batch_wait_s` at least, and up to a quarter of the last pass's seconds
 (`return_wait_share`). A stream that misses a pass runs in a pass of its own later, which reads the
@@ -44,6 +51,8 @@ class Job:
     abandoned: Callable[[], str | None] = lambda: None  # why it should not run, if so
     future: Future = field(default_factory=Future)
     served_by: "Pass | None" = None  # the pass that ran it, once it ran
+    opens: bool = False  # it opens a request (its first token waits on it): it runs before older calls
+    queued: float = field(default_factory=time.monotonic)
 
 
 @dataclass(frozen=True)
@@ -64,6 +73,7 @@ class Bounds:
     # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own: a padded
     # pass computes every row as long as its longest (model/batch.py).
     max_shared_call_tokens: int = 32
+    opening_first_s: float = 0.5  # a call that opens a request runs first unless the oldest has waited this long
 
 
 class Scheduler:
@@ -128,6 +138,8 @@ class Scheduler:
         wait = max(self.bounds.batch_wait_s, self.bounds.return_wait_share * self.last_pass_seconds)
         deadline = time.monotonic() + wait
         while not self.closed and self.queue[0].kind is not None and len(self.queue) < self.bounds.max_batch_size:
+            if any(job.opens for job in self.queue):  # a first token waits: it runs now
+                return
             queued = {job.session_id for job in self.queue}
             left = deadline - time.monotonic()
             if self.served_last <= queued or left <= 0:
@@ -135,8 +147,8 @@ class Scheduler:
             self.ready.wait(left)
 
     def _take_batch(self) -> list[Job]:
-        """The oldest job, plus the later ones that can share its pass (called under the lock)."""
-        first = self.queue.popleft()
+        """The next job (`_first`), plus the others that can share its pass (called under the lock)."""
+        first = self._first()
         if first.kind is None or first.cost > self.bounds.max_shared_call_tokens:
             return [first]
         batch, tokens, sessions = [first], first.cost, {first.session_id}
@@ -150,6 +162,17 @@ class Scheduler:
                 tokens += job.cost
                 sessions.add(job.session_id)
         return batch
+
+    def _first(self) -> Job:
+        """The oldest job, or the oldest that opens a request where the oldest has waited less than
+        `opening_first_s` (called under the lock)."""
+        oldest = self.queue[0]
+        if not oldest.opens and time.monotonic() - oldest.queued < self.bounds.opening_first_s:
+            opening = next((job for job in self.queue if job.opens), None)
+            if opening is not None:
+                self.queue.remove(opening)
+                return opening
+        return self.queue.popleft()
 
     def _run(self, batch: list[Job]) -> float:
         """Run the batch's live jobs in one pass; returns its seconds (0 if none ran)."""

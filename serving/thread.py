@@ -40,9 +40,10 @@ class ModelThread:
         return await asyncio.wrap_future(self.scheduler.submit(Job(lambda _: [method(self.service, *args)])))
 
     def later(self, method: Callable, *args) -> None:
-        """Queue method(service, *args) behind the calls waiting now; nobody waits for it (housekeeping)."""
+        """Queue method(service, *args) with the calls that open requests (model/scheduler.py: a kept
+        answer, which the next turn's opening call would otherwise compute); nobody waits for it."""
         try:
-            future = self.scheduler.submit(Job(lambda _: [method(self.service, *args)]))
+            future = self.scheduler.submit(Job(lambda _: [method(self.service, *args)], opens=True))
         except RuntimeError:  # shut down: nothing left to keep up
             return
         future.add_done_callback(_log_failure)
@@ -63,7 +64,8 @@ class ModelThread:
         refusal: a refused call returns its EngineError instead of ending the RPC with it (a later
         step of a Decode run, which ends with the tokens it has)."""
         run = lambda calls: batch_method(self.service, calls)  # noqa: E731
-        job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=call.cursor.session_id)
+        session_id, opens = call.cursor.session_id, call.cursor.start == 0  # from token 0: a request's first call
+        job = Job(run, call, kind=batch_method, cost=call.new_tokens, session_id=session_id, opens=opens)
         return await self._submit(context, job, refusal=refusal)
 
     async def _submit(

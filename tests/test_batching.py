@@ -195,6 +195,34 @@ def test_a_long_call_runs_in_a_pass_of_its_own():
     scheduler.close()
 
 
+def test_a_call_that_opens_a_request_runs_before_older_calls_until_the_oldest_has_waited_too_long():
+    """Issue 50: a request's first call (a cursor from token 0) goes before decode steps queued before
+    it, taking the waiting steps of its kind into its pass; once the oldest call has waited
+    opening_first_s it goes first again, so nothing starves."""
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8, opening_first_s=0.2))
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    decode, prefill = run_recording(passes), run_recording(passes)
+    futures = [scheduler.submit(Job(decode, i, kind="decode", cost=1, session_id=f"s{i}")) for i in (1, 2)]
+    futures.append(scheduler.submit(Job(prefill, 3, kind="verify", cost=100, session_id="s3", opens=True)))
+    futures.append(scheduler.submit(Job(decode, 4, kind="verify", cost=1, session_id="s4", opens=True)))
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40] and blocker.result(5) == 0
+    assert passes == [[0], [3], [4], [1, 2]]  # the prefill alone (too long to share), then the short opening
+    passes.clear()
+    gate.clear()
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    old = scheduler.submit(Job(decode, 5, kind="decode", cost=1, session_id="s5"))
+    time.sleep(0.25)  # past opening_first_s
+    new = scheduler.submit(Job(prefill, 6, kind="verify", cost=1, session_id="s6", opens=True))
+    gate.set()
+    assert (old.result(5), new.result(5), blocker.result(5)) == (50, 60, 0)
+    assert passes == [[0], [5], [6]]
+    scheduler.close()
+
+
 def test_an_engine_that_does_not_pad_reports_the_positions_its_calls_computed():
     """llama.cpp lays a pass out by position (ModelDescription.padded False): a verify of 6 among two
     decodes computes 8 positions, not 18, and the K chooser's slope is per position computed."""
