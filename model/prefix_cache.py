@@ -19,14 +19,15 @@ How it finds it: vLLM's hash chain over blocks (parent hash + the block's tokens
 at the root); an index from each hash to the entries that hold it, and from each salt to its entries;
 a lookup walks the new head's blocks while the chain is known, then looks for a cut inside the next
 block among the entries that share those blocks. An entry is one engine snapshot of a head (one copy
-each way: llama.cpp keeps a sequence's KV in a stream of its own, which cannot be shared in place), and
-only leaves are kept: an entry whose tokens a new one of the same salt starts with is dropped for it
-where the new one's prefill has a cut at its end (a chat's turn replaces the last turn's kept answer);
-where it has none (a prompt's head, which its answer goes on from inside a message) the old one stays
-for that prompt sent again, but is the next to be evicted. So is dropped one that parts from the new one
-only in its last whole block and tail (another question after the same system prompt or document): every prompt that
-found the old one's blocks finds all but that last one in the new, and the store holds one copy of a
-shared context, not one per request (the same prompt sent again recomputes at most a block and its tail).
+each way: llama.cpp keeps a sequence's KV in a stream of its own, which cannot be shared in place),
+and only leaves are kept: an entry whose tokens a new one of the same salt starts with is dropped for
+it where the new one's prefill has a cut at its end (a chat's turn replaces the last turn's kept
+answer); where it has none (a prompt's head, which its answer goes on from inside a message) the old
+one stays for that prompt sent again, but is the next to be evicted. Dropped too is one that parts
+from the new one only in its last whole block and tail (another question after the same system prompt
+or document): every prompt that found the old one's blocks finds all but that last one in the new,
+and the store holds one copy of a shared context, not one per request (the same prompt sent again
+recomputes at most a block and its tail).
 
 Bounded: entries are evicted least recently used first under `budget_tokens`, counted as the KV
 positions each copy holds, not only those it may restore (a llama.cpp copy is its whole sequence: the
