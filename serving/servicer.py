@@ -33,6 +33,6 @@ class ModelServicer:
     async def Release(self, request, context):
         committed = list(request.committed) or None
         released = await self.thread.call(context, self.service_type.release, request.session_id, committed)
-        if committed:  # after the reply: the request that ended waits for none of it
+        if committed and self.thread.service.store.answers:  # a chat's: kept after the reply, not waited for
             self.thread.later(self.service_type.keep_answers)
         return common_pb2.ReleaseResponse(released=released)
