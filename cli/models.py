@@ -71,7 +71,9 @@ def run_list(args: argparse.Namespace) -> int:
 def _print_profiles() -> None:
     """What the services measured of their passes on this machine when they loaded (model/pass_profile.py):
     the first steps of a fresh orchestrator are priced from these."""
-    from specd.model.pass_profile import cached_profiles, machine
+    from specd.deploy import choice
+    from specd.model.machine import machine
+    from specd.model.pass_profile import cached_profiles
 
     profiles = cached_profiles()
     here = machine()
@@ -94,8 +96,6 @@ def _print_profiles() -> None:
         else "none yet: each service measures its passes when it first loads a model here (a few seconds)"
     )
     Console().print(table)
-    from specd.deploy import choice
-
     if chosen := choice.load("draft", "target"):
         Console().print(f"the default pair's configuration here: {chosen.describe()}")
 

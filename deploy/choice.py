@@ -14,8 +14,6 @@ environment ignores it (the test suite's stacks run so).
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import time
 from dataclasses import dataclass
@@ -47,11 +45,10 @@ class Choice:
 
 def _path(draft_model: str, target_model: str) -> tuple[Path, dict]:
     from specd.model.machine import machine  # the model package, torch-free parts: only when called
-    from specd.model.store import cache_root
+    from specd.model.store import kept_path
 
     key = {"machine": machine(), "draft": draft_model, "target": target_model}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "profiles" / f"choice-{digest}.json", key
+    return kept_path("choice", key), key
 
 
 def save(report: dict, draft_model: str, target_model: str) -> Choice | None:
@@ -74,14 +71,14 @@ def load(draft_model: str, target_model: str) -> Choice | None:
     """The kept choice for this machine and pair, if the bench measured one (none with SPECD_CHOICE=off)."""
     if os.environ.get("SPECD_CHOICE") == "off":
         return None
+    from specd.model.store import read_kept
+
     path, key = _path(draft_model, target_model)
     try:
-        kept = json.loads(path.read_text())
-        if kept.get("format") == FORMAT and kept.get("key") == key:
-            return Choice(**kept["choice"])
-    except (OSError, ValueError, TypeError, KeyError):
-        pass
-    return None
+        kept = read_kept(path, FORMAT, key)
+        return Choice(**kept["choice"]) if kept else None
+    except (TypeError, KeyError):
+        return None
 
 
 def forget(draft_model: str, target_model: str) -> bool:

@@ -25,7 +25,6 @@ and the threads: the next load of the same model on the same machine reads it in
 from __future__ import annotations
 
 import fcntl
-import hashlib
 import json
 import logging
 import statistics
@@ -38,13 +37,13 @@ import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.machine import machine
-from specd.model.store import cache_root, write_json
+from specd.model.store import cache_root, kept_path, read_kept, write_json
 
 PROFILE_POSITIONS = 9  # a decode step, then verifies of K = 1..8 (the orchestrator's default K bound)
 CONTEXT = 128  # prompt tokens before the scored positions
 REPEATS = 3  # each size's median of this many
 SESSION = "pass-profile"  # the session the measurement uses, released after
-FORMAT = 2  # the cached file's layout (1: no prefill_per_token)
+FORMAT = 3  # the cached file's layout (1: no prefill_per_token; 2: the key held its own digest)
 KEEP = 64  # profiles kept in the cache, the newest
 
 log = logging.getLogger(__name__)
@@ -66,13 +65,12 @@ def pass_profile(engine: Engine, settings: dict | None = None) -> PassProfile | 
         seconds = tuple(modelled(n, n) for n in range(1, PROFILE_POSITIONS + 1))
         return PassProfile(seconds, (modelled(CONTEXT, 1) - modelled(1, 1)) / (CONTEXT - 1))
     key = profile_key(engine, settings or {})
-    path = cache_root() / "profiles" / f"passes-{key['digest']}.json"
+    path = kept_path("passes", key)
     try:
-        cached = json.loads(path.read_text())
-        if cached.get("format") == FORMAT and cached.get("key") == key:
+        if cached := read_kept(path, FORMAT, key):
             return PassProfile(tuple(cached["seconds"]), cached["prefill_per_token"])
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # absent or unreadable: measure
+    except (KeyError, TypeError):
+        pass  # broken: measure
     started = time.perf_counter()
     try:
         profile = measure(engine)
@@ -135,10 +133,10 @@ def measure(engine: Engine, positions: int = PROFILE_POSITIONS, repeats: int = R
 
 
 def profile_key(engine: Engine, settings: dict) -> dict:
-    """What the measurement depends on, and its digest (the cache file's name)."""
+    """What the measurement depends on (the cache file's key, model/store.py kept_path)."""
     described = engine.description
     gpu = torch.cuda.get_device_name(described.device) if described.device.startswith("cuda") else ""
-    key = {
+    return {
         "machine": machine(),
         "model": [described.name, described.quantization, described.dtype, described.device, gpu],
         "engine": type(engine).__name__,
@@ -146,8 +144,6 @@ def profile_key(engine: Engine, settings: dict) -> dict:
         "positions": PROFILE_POSITIONS,
         "context": CONTEXT,
     }
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return {**key, "digest": digest}
 
 
 def cached_profiles() -> list[dict]:

@@ -202,9 +202,10 @@ class PrefixCache:
         entry = Entry(salt, tuple(tokens), snapshot, chain_hashes(salt, tokens, len(tokens) // BLOCK_TOKENS))
         for entry_id in list(self.index.get(root_hash(salt), ())):
             old = self.entries[entry_id]
-            if _extends(entry, old) and not self._covers(entry, len(old.tokens)):
+            extended = _extends(entry, old)
+            if extended and not self._covers(entry, len(old.tokens)):
                 self.entries.move_to_end(entry_id, last=False)  # it serves its own head alone: evicted first
-            elif _extends(entry, old) or _same_context(entry, old):
+            elif extended or _same_context(entry, old):
                 self._drop(entry_id)
         entry_id, self._next_id = self._next_id, self._next_id + 1
         self.entries[entry_id] = entry

@@ -24,6 +24,7 @@ Every file and directory appears under its final name only once complete (temp n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -139,6 +140,23 @@ def gguf_path(spec: ModelSpec) -> Path:
 
 def tokenizer_dir(spec: ModelSpec) -> Path:
     return cache_root() / "tokenizers" / spec.name
+
+
+def kept_path(kind: str, key: dict) -> Path:
+    """Where a fact this machine measured is kept, by what it depends on (`key`, JSON):
+    profiles/<kind>-<digest of key>.json (model/pass_profile.py's passes, deploy/choice.py's choice)."""
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cache_root() / "profiles" / f"{kind}-{digest}.json"
+
+
+def read_kept(path: Path, format: int, key: dict) -> dict | None:
+    """The content kept at `path` (`kept_path`) where it is of this format and key; None where it is
+    absent, unreadable, of another layout or another key (then measure again)."""
+    try:
+        kept = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return kept if isinstance(kept, dict) and kept.get("format") == format and kept.get("key") == key else None
 
 
 def write_json(path: Path, content: dict) -> None:
