@@ -17,6 +17,12 @@ from specd.v1 import common_pb2
 pytestmark = pytest.mark.real
 
 
+async def on_target_thread(stack, work):
+    """work(engine) on the target's model thread: its llama context is that thread's alone, and a
+    request's Release may have queued work there that is still running (a chat's kept answer)."""
+    return await stack.services.target_server.thread.run(lambda service: work(service.engine))
+
+
 async def test_the_services_run_the_gguf_files(real_stack):
     for stub in (real_stack.services.draft, real_stack.services.target):
         info = await stub.Info(common_pb2.InfoRequest())
@@ -30,18 +36,22 @@ async def test_a_verify_scores_bit_for_bit_as_decode_steps(real_stack):
     """What makes speculation exact on this engine (model/llama_cpp_engine.py): the target's logits
     for K + 1 positions at once equal its one-token decode steps', after rollbacks and beside others.
     Both sessions prefill the prompt alike, as a request does with speculation on or off."""
-    engine = real_stack.services.target_server.thread.service.engine
-    tokens = engine.tokenizer("def quicksort(items):\n    if len(items) <= 1:\n        return items").input_ids
-    prompt = tokens[:4]
-    steps = [engine.forward([Row("decode", prompt, 1)])[0]]  # steps[i]: the logits at position 3 + i
-    steps += [engine.forward([Row("decode", [token], 1)])[0] for token in tokens[4:]]
-    engine.forward([Row("verify", prompt, 1)])
-    first = engine.forward([Row("other", tokens[:7], 1), Row("verify", tokens[4:9] + [11, 12], 7)])[1]
-    engine.crop("verify", 9)
-    engine.release("other")
-    scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", tokens[:3], 2)])[0]
-    for session_id in ("decode", "verify", "third"):
-        engine.release(session_id)
+
+    def score(engine):
+        tokens = engine.tokenizer("def quicksort(items):\n    if len(items) <= 1:\n        return items").input_ids
+        prompt = tokens[:4]
+        steps = [engine.forward([Row("decode", prompt, 1)])[0]]  # steps[i]: the logits at position 3 + i
+        steps += [engine.forward([Row("decode", [token], 1)])[0] for token in tokens[4:]]
+        engine.forward([Row("verify", prompt, 1)])
+        first = engine.forward([Row("other", tokens[:7], 1), Row("verify", tokens[4:9] + [11, 12], 7)])[1]
+        engine.crop("verify", 9)
+        engine.release("other")
+        scored = engine.forward([Row("verify", tokens[9:], len(tokens) - 9), Row("third", tokens[:3], 2)])[0]
+        for session_id in ("decode", "verify", "third"):
+            engine.release(session_id)
+        return steps, first, scored
+
+    steps, first, scored = await on_target_thread(real_stack, score)
     assert torch.equal(first[:5], torch.cat(steps[1:6]))  # positions 4..8, before the rollback
     assert torch.equal(scored, torch.cat(steps[6:]))  # positions 9.., after it
 
@@ -50,18 +60,22 @@ async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_
     """Past 256 tokens of context llama.cpp's attention view grows to 512 cells, where flash attention
     over an F16 K cache splits a lone decode step across threads and rounds otherwise than a verify or
     a step batched beside another session (the engine's docstring, ATTENTION): 300 tokens of context."""
-    engine = real_stack.services.target_server.thread.service.engine
-    text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 20
-    tokens = engine.tokenizer(text).input_ids[:304]
-    assert len(tokens) == 304
-    steps = [engine.forward([Row("long", tokens[:301], 1)])[0]]  # steps[i]: the logits at position 300 + i
-    steps += [engine.forward([Row("long", [token], 1)])[0] for token in tokens[301:]]
-    engine.crop("long", 300)
-    verified = engine.forward([Row("long", tokens[300:], 4)])[0]
-    engine.crop("long", 300)
-    beside = engine.forward([Row("short", tokens[:40], 1), Row("long", tokens[300:301], 1)])[1]
-    for session_id in ("long", "short"):
-        engine.release(session_id)
+
+    def score(engine):
+        text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 20
+        tokens = engine.tokenizer(text).input_ids[:304]
+        assert len(tokens) == 304
+        steps = [engine.forward([Row("long", tokens[:301], 1)])[0]]  # steps[i]: the logits at position 300 + i
+        steps += [engine.forward([Row("long", [token], 1)])[0] for token in tokens[301:]]
+        engine.crop("long", 300)
+        verified = engine.forward([Row("long", tokens[300:], 4)])[0]
+        engine.crop("long", 300)
+        beside = engine.forward([Row("short", tokens[:40], 1), Row("long", tokens[300:301], 1)])[1]
+        for session_id in ("long", "short"):
+            engine.release(session_id)
+        return steps, verified, beside
+
+    steps, verified, beside = await on_target_thread(real_stack, score)
     assert torch.equal(verified, torch.cat(steps))
     assert torch.equal(beside, steps[0])
 
@@ -147,14 +161,7 @@ async def test_a_prompt_served_from_the_prefix_cache_gives_the_same_tokens(real_
     head = runs[0].final.usage.prompt_tokens - 1
     assert cached == [0, 0, head, head], cached  # b never hits a's
     assert target.prefix_stats().hit_tokens - hits >= cached[2] + cached[3]
-    engine = target.engine
-    tokens = engine.tokenizer(prompt).input_ids
-    fresh = engine.forward([Row("fresh", tokens, 1)])[0]
-    state = engine.snapshot("fresh", engine.reusable("fresh"))
-    engine.restore("resumed", state, 64)
-    assert torch.equal(fresh, engine.forward([Row("resumed", tokens[64:], 1)])[0])
-    for session_id in ("fresh", "resumed"):
-        engine.release(session_id)
+    assert await on_target_thread(real_stack, lambda engine: restored_as_fresh(engine, prompt, 64))
 
 
 async def test_a_chats_next_turn_finds_the_last_prompt_and_answer_kept_and_says_the_same(real_stack):
@@ -182,12 +189,20 @@ async def test_a_chats_next_turn_finds_the_last_prompt_and_answer_kept_and_says_
     first, second = turns
     # everything turn 1 sent and was answered, up to the end-of-turn token after the answer
     assert second.cached_prompt_tokens >= first.prompt_tokens + 24 - 1, (first, second)
-    engine = target.engine
-    tokens = engine.tokenizer(render_prompt("You are a helpful assistant.", history, "And in C?")).input_ids
+    prompt = render_prompt("You are a helpful assistant.", history, "And in C?")
+    tokens = target.engine.tokenizer(prompt).input_ids
+    end = tokens.index(target.engine.description.eos_token_ids[0], 70)  # the end of a message, inside a block
+    assert end % 64 and await on_target_thread(real_stack, lambda engine: restored_as_fresh(engine, prompt, end))
+
+
+def restored_as_fresh(engine, prompt: str, length: int) -> bool:
+    """Whether the prompt's last logits, restored from a copy of its prefill cut to `length` tokens,
+    are a fresh prefill's bit for bit."""
+    tokens = engine.tokenizer(prompt).input_ids
     fresh = engine.forward([Row("fresh", tokens, 1)])[0]
-    state = engine.snapshot("fresh", engine.reusable("fresh"))
-    end = tokens.index(engine.description.eos_token_ids[0], 70)  # the end of a message, inside a block
-    engine.restore("resumed", state, end)
-    assert end % 64 and torch.equal(fresh, engine.forward([Row("resumed", tokens[end:], 1)])[0])
-    for session_id in ("fresh", "resumed"):
-        engine.release(session_id)
+    engine.restore("resumed", engine.snapshot("fresh", engine.reusable("fresh")), length)
+    try:
+        return torch.equal(fresh, engine.forward([Row("resumed", tokens[length:], 1)])[0])
+    finally:
+        for session_id in ("fresh", "resumed"):
+            engine.release(session_id)
