@@ -28,6 +28,10 @@ class ModelDescription:
     quantization: str = "none"
     max_sessions: int | None = None  # the most sessions the engine can hold; None: no bound of its own
     padded: bool = True  # a batched pass computes every row as long as its longest (else each row's own)
+    # the most positions one call scores together where the engine splits a pass into calls of its
+    # own (llama.cpp, bitwise: 3); None: a pass is one call. Where set, a fuller pass saves nothing
+    # and only makes every first token in it later (model/scheduler.py)
+    scored_per_call: int | None = None
 
 
 @dataclass(frozen=True)

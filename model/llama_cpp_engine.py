@@ -186,6 +186,7 @@ class LlamaCppEngine:
             quantization=_file_type(self.model),
             max_sessions=sessions,
             padded=False,  # each row's own positions: calls are laid out by position, not padded
+            scored_per_call=None if exactness == "batched" else self.call_tokens,
         )
 
     def _load(self, gguf: Path, repacked: bool, threads: int, sessions: int, session_tokens: int) -> None:

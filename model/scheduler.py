@@ -16,6 +16,10 @@ whose first token the client waits for) runs before older calls, unless the olde
 `opening_first_s`: a stream that has its first token loses a pass's time, one that waits for it gains
 the queue's, as vLLM's scheduler puts prefills first. A kept answer (model/sessions.py keep_answer)
 counts as one: the next turn's opening call, queued after it, would otherwise compute it itself.
+On an engine that scores a pass in calls of a few positions (llama.cpp, bitwise: 3), a fuller pass
+saves nothing, so there opening calls share a pass only with each other, that many at a time: 16
+requests sent at once get their first tokens a call apart, not all after one 16-row pass (and not
+after the decode rows an opening pass used to take along).
 
 How long that moment is: `batch_wait_s` at least, and up to a quarter of the last pass's seconds
 (`return_wait_share`). A stream that misses a pass runs in a pass of its own later, which reads the
@@ -28,6 +32,7 @@ each; those with fewer rows 200-275 ms), 46 tok/s (50 with speculation off); wai
 of the pass, 56 tok/s (60 off, with a fixed 40 ms); 4 streams 35 -> 36 tok/s.
 """
 
+import logging
 import threading
 import time
 from collections import Counter, deque
@@ -35,6 +40,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class Abandoned(Exception):
@@ -87,6 +94,10 @@ class Scheduler:
         self.served_last: set[str] = set()  # sessions of the last batched pass: likely back soon
         self.last_pass_seconds = 0.0  # what the last batched pass cost: a share of it is worth waiting
         self.padded = True  # the engine's passes compute every call as long as its longest (ModelDescription)
+        self.scored_per_call: int | None = None  # the engine's calls score at most this many positions (ditto)
+        # what a call that opens a request computes, asked as it is taken (serving/thread.py: its
+        # tokens less the prefix the cache would restore); None: its new tokens as submitted
+        self.costing: Callable[[Job], int] | None = None
         self.thread = threading.Thread(target=self._serve, name="model", daemon=True)
         self.thread.start()
 
@@ -147,21 +158,40 @@ class Scheduler:
             self.ready.wait(left)
 
     def _take_batch(self) -> list[Job]:
-        """The next job (`_first`), plus the others that can share its pass (called under the lock)."""
+        """The next job (`_first`), plus the others that can share its pass (called under the lock).
+        On an engine that scores a pass in calls of a few positions (`scored_per_call`), a fuller pass
+        computes nothing cheaper, so calls that open requests share passes only with each other, that
+        many at most: their first tokens come a few calls apart, not all after everyone's."""
         first = self._first()
-        if first.kind is None or first.cost > self.bounds.max_shared_call_tokens:
+        if first.kind is None or self._cost(first) > self.bounds.max_shared_call_tokens:
             return [first]
+        most, apart = self.bounds.max_batch_size, self.scored_per_call is not None
+        if apart and first.opens:
+            most = min(most, self.scored_per_call)
         batch, tokens, sessions = [first], first.cost, {first.session_id}
         for job in list(self.queue):
-            if len(batch) == self.bounds.max_batch_size:
+            if len(batch) == most:
                 break
-            fits = tokens + job.cost <= self.bounds.max_batch_tokens and job.cost <= self.bounds.max_shared_call_tokens
-            if job.kind == first.kind and fits and job.session_id not in sessions:
+            if job.kind != first.kind or job.session_id in sessions or (apart and job.opens != first.opens):
+                continue
+            cost = self._cost(job)
+            if tokens + cost <= self.bounds.max_batch_tokens and cost <= self.bounds.max_shared_call_tokens:
                 self.queue.remove(job)
                 batch.append(job)
                 tokens += job.cost
                 sessions.add(job.session_id)
         return batch
+
+    def _cost(self, job: Job) -> int:
+        """The job's new tokens; for a call that opens a request, what it computes, asked now
+        (`costing`): a prompt the prefix cache holds costs its last position, not its length, and
+        shares a pass as any short call does. A costing that fails leaves the cost as submitted."""
+        if job.opens and self.costing is not None:
+            try:
+                job.cost = self.costing(job)
+            except Exception:  # noqa: BLE001 - the model thread must go on; the call itself will say what is wrong
+                log.exception("costing a call that opens a request failed")
+        return job.cost
 
     def _first(self) -> Job:
         """The oldest job, or the oldest that opens a request where the oldest has waited less than

@@ -64,7 +64,9 @@ class SessionStore:
 
     @property
     def cached_tokens(self) -> int:
-        return sum(len(session.tokens) for session in self.sessions.values())
+        """Read off the model thread too (Info, metrics): a copy of the sessions first, taken at once,
+        since the model thread may open or end one between two steps of the sum."""
+        return sum(len(session.tokens) for session in list(self.sessions.values()))
 
     def open(self, cursor: Cursor, extra_tokens: int = 0) -> Session:
         """The session for a Prefill, or for a call from token 0: created if new, else synced like any call."""
@@ -103,6 +105,11 @@ class SessionStore:
                 session.tokens, session.reused, session.skip = list(cursor.tokens[:length]), length, length
         self.prefix.count(length, len(cursor.tokens))
         return session
+
+    def held_prefix(self, cursor: Cursor) -> int:
+        """How many of the tokens of a call from token 0 its opening would restore from the prefix
+        cache (`_reuse`'s lookup): what the scheduler does not count as computed. Model thread only."""
+        return self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)[1]
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self.engine.description.vocab_size

@@ -33,7 +33,15 @@ class ModelThread:
         limits = self.service.limits
         self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens, limits.batch_wait_ms / 1000)
         self.scheduler.padded = self.service.engine.description.padded
+        self.scheduler.scored_per_call = self.service.engine.description.scored_per_call
+        self.scheduler.costing = self._opening_cost
         return self.service
+
+    def _opening_cost(self, job: Job) -> int:
+        """What a call from token 0 computes: its new tokens less the prompt's prefix that the prefix
+        cache would restore (SessionStore.held_prefix). Asked on the model thread, as the call is taken."""
+        call = job.payload
+        return call.new_tokens - self.service.store.held_prefix(call.cursor)
 
     async def run(self, method: Callable, *args):
         """Run method(service, *args) with no RPC attached (housekeeping)."""

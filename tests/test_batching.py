@@ -388,3 +388,46 @@ def test_the_streams_a_service_reports_count_the_calls_still_waiting_for_a_first
     gate.set()
     busy.result(5)
     thread.shutdown()
+
+
+def test_on_an_engine_that_scores_a_few_positions_a_call_openings_share_passes_only_with_each_other():
+    """Issue 50: llama.cpp's exact calls score at most 3 positions (ModelDescription.scored_per_call),
+    so a fuller pass costs the sum of its rows and only delays every first token in it: calls that open
+    requests go 3 to a pass, without the decode steps, which then share one pass as before. On an
+    engine without that bound the opening pass takes the decode steps along."""
+    for scored_per_call, expected in ((3, [[0], [3, 4, 5], [6], [1, 2]]), (None, [[0], [3, 1, 2, 4, 5, 6]])):
+        passes, gate = [], threading.Event()
+        scheduler = Scheduler(Bounds(max_batch_size=8))
+        scheduler.scored_per_call = scored_per_call
+        blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+        time.sleep(0.05)
+        step = run_recording(passes)
+        futures = [scheduler.submit(Job(step, i, kind="verify", cost=1, session_id=f"s{i}")) for i in (1, 2)]
+        futures += [
+            scheduler.submit(Job(step, i, kind="verify", cost=5, session_id=f"s{i}", opens=True)) for i in (3, 4, 5, 6)
+        ]
+        gate.set()
+        assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50, 60] and blocker.result(5) == 0
+        assert passes == expected, scored_per_call
+        scheduler.close()
+
+
+def test_a_call_that_opens_a_request_is_priced_at_what_the_prefix_cache_leaves_it_to_compute():
+    """A prompt the prefix cache holds is one position to compute, not its length: asked as the call
+    is taken (Scheduler.costing, serving/thread.py), so cached openings share passes like any short
+    call, and their pass reports what it computed. A costing that fails leaves the submitted cost."""
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8, max_shared_call_tokens=32))
+    scheduler.padded, scheduler.scored_per_call = False, 3
+    held = {"s1": 149, "s2": 149, "s3": 0, "s4": 149}
+    scheduler.costing = lambda job: job.cost - held[job.session_id] if job.session_id != "s5" else 1 / 0
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    step = run_recording(passes)
+    jobs = [Job(step, i, kind="verify", cost=150, session_id=f"s{i}", opens=True) for i in (1, 2, 3, 4, 5)]
+    futures = [scheduler.submit(job) for job in jobs]
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50] and blocker.result(5) == 0
+    assert passes == [[0], [1, 2, 4], [3], [5]]  # the uncached prompt and the unpriced one alone
+    assert [job.served_by.tokens for job in jobs] == [3, 3, 150, 3, 150]
+    scheduler.close()

@@ -278,6 +278,7 @@ def test_llama_cpp_takes_the_first_exact_setting_and_falls_back_to_one_position_
     engine = llama_cpp(tiny_gguf)
     assert (engine.repacked, engine.call_tokens) == EXACT_SETTINGS[1]
     assert not engine.description.padded  # its passes cost what their rows hold (model/scheduler.py)
+    assert engine.description.scored_per_call == EXACT_SETTINGS[1][1]  # openings share passes that many at a time
     tokens = PROMPTS[2] + [5, 6, 7]
     steps = [feed(engine, "decode", tokens[:1])] + [feed(engine, "decode", [token]) for token in tokens[1:]]
     assert_same(feed(engine, "verify", tokens, keep=4), torch.cat(steps[-4:]))
@@ -316,6 +317,7 @@ def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf,
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: pytest.fail("batched runs no exactness probe"))
     batched = load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="batched")
     assert batched.call_tokens == BATCH_TOKENS and batched.exactness == "batched"
+    assert batched.description.scored_per_call is None  # a pass is one call: a fuller one is cheaper per row
     monkeypatch.undo()
     bitwise = llama_cpp(tiny_gguf)
     # batched: one unified KV cache (a pass is one ubatch); bitwise: a stream of its own per session
