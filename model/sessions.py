@@ -22,7 +22,7 @@ import torch
 
 from specd.model.engine import Engine, Row
 from specd.model.errors import CapacityExceeded, CursorMismatch, EngineError, InvalidRequest, SessionNotFound
-from specd.model.prefix_cache import BLOCK_TOKENS, PrefixCache
+from specd.model.prefix_cache import BLOCK_TOKENS, Entry, PrefixCache
 from specd.proto.contract import fingerprint
 from specd.proto.limits import Limits
 
@@ -93,7 +93,7 @@ class SessionStore:
         prefix itself: the store never fails a call."""
         session.salt, session.opening, session.keep_until = cursor.salt, True, None
         self.engine.release(session.session_id)  # nothing held (truncated to 0): a restore starts it anew
-        entry, length = self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)
+        entry, length = self.opening_prefix(cursor)
         if entry is not None:
             try:
                 self.engine.restore(session.session_id, entry.snapshot, length)
@@ -106,10 +106,11 @@ class SessionStore:
         self.prefix.count(length, len(cursor.tokens))
         return session
 
-    def held_prefix(self, cursor: Cursor) -> int:
-        """How many of the tokens of a call from token 0 its opening would restore from the prefix
-        cache (`_reuse`'s lookup): what the scheduler does not count as computed. Model thread only."""
-        return self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)[1]
+    def opening_prefix(self, cursor: Cursor) -> tuple[Entry | None, int]:
+        """The prefix-cache entry a call from token 0 opens from, and the tokens of it restored (never
+        all of the cursor's: the call computes at least its last): `_reuse` restores it, the scheduler
+        prices the call at the rest (serving/thread.py). Model thread only."""
+        return self.prefix.lookup(cursor.salt, cursor.tokens, len(cursor.tokens) - 1)
 
     def check_tokens(self, tokens: list[int], what: str) -> None:
         vocab = self.engine.description.vocab_size

@@ -39,9 +39,9 @@ class ModelThread:
 
     def _opening_cost(self, job: Job) -> int:
         """What a call from token 0 computes: its new tokens less the prompt's prefix that the prefix
-        cache would restore (SessionStore.held_prefix). Asked on the model thread, as the call is taken."""
+        cache would restore (SessionStore.opening_prefix). Asked on the model thread, as the call is taken."""
         call = job.payload
-        return call.new_tokens - self.service.store.held_prefix(call.cursor)
+        return call.new_tokens - self.service.store.opening_prefix(call.cursor)[1]
 
     async def run(self, method: Callable, *args):
         """Run method(service, *args) with no RPC attached (housekeeping)."""

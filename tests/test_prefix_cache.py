@@ -175,8 +175,8 @@ def test_a_session_from_a_kept_prefix_scores_bit_for_bit_as_a_fresh_prefill(llam
     for turn, tail in enumerate([tokens(11, 30), tokens(12, B + 3), tokens(13, 1)]):
         prompt = system + tail
         # what the scheduler prices the opening call at: the prompt less what it restores (model/scheduler.py)
-        assert cached.held_prefix(Cursor("asked", 0, 0, prompt)) == 3 * B
-        assert cached.held_prefix(Cursor("asked", 0, 0, prompt, "tenant")) == 0
+        assert cached.opening_prefix(Cursor("asked", 0, 0, prompt))[1] == 3 * B
+        assert cached.opening_prefix(Cursor("asked", 0, 0, prompt, "tenant"))[1] == 0
         logits = opening(cached, f"hit{turn}", prompt)
         assert cached.sessions[f"hit{turn}"].reused == 3 * B
         assert torch.equal(logits, opening(fresh, f"fresh{turn}", prompt))
