@@ -1,36 +1,57 @@
-"""Is a position's result independent of the call it runs in, on this CPU's llama.cpp kernels? (issue 50)
+#!/usr/bin/env python
+"""Which of ggml-cpu's matmul kernels score a position alike in every call, and at what cost? (issue 50)
 
-`--exactness bitwise` scores every kept position through ggml's one-row kernel (calls of at most 3
-positions), because a matmul of 4 rows or more takes the gemm kernel, whose sums differ from the
-one-row gemv's. Under load that costs about twice the gemm per row. If the gemm's result for a row
-did not depend on how many rows share the call (batch invariance), every call could be padded to 4
-rows and run through the gemm exactly. This script checks that on the default target and times both:
+`--exactness bitwise` scores every kept position through the one-row kernel (calls of at most 3
+positions), because a call of more rows takes another kernel, whose sums differ. Under load that
+costs about twice the gemm per row. A kernel whose result for a row does not depend on the rows
+beside it (batch invariance) would let `bitwise` batch as `batched` does. The default target's
+weights (Q4_K and Q6_K) can take four kernels in llama-cpp-python's ggml, by how they are loaded
+and two of ggml's environment switches (read once per process, so each runs in a process of its own):
 
-  .venv/bin/python scripts/measure_batch_invariance.py docs/results/batch_invariance_zen5.json
+  repacked   llama.cpp's default (`use_extra_bufts`): weights interleaved at load; gemv up to 3
+             rows, a 4-row gemm from 4 on
+  plain      weights as stored: the one-row vec_dot up to 7 rows, the tiled K-quant matmul from 8
+  vec_dot    plain, GGML_CPU_TILED_MM=0: the one-row vec_dot for every row, whatever the call
+  tiled      plain, GGML_CPU_TILED_MM_FORCE=1: the tiled matmul for every call, one row too
 
-It loads the target on the llama.cpp engine (repacked weights, `bitwise`), opens SESSIONS sessions of
-CONTEXT prompt tokens, then compares logits bit for bit: one row alone (gemv) against the first row of a
-4-row call (gemm); the first row of a 4-, 8- and 16-row call of one session; and n sessions' rows in one
-call against each session's row in a 4-row call of its own. Timings: medians of 5.
+For each, on the default target with SESSIONS sessions of CONTEXT prompt tokens: bit for bit, the
+first position of a one-session call of 4, 8 and 16 positions against the same position alone, and n
+sessions' rows in one call against each alone; and medians of 5 of one call of n sessions x 1 row
+(decode steps; also in calls of 3, as `bitwise` runs them) and of n sessions x 4 rows (verifies of 3
+guesses). Writes a JSON and a plot:
+
+  .venv/bin/python scripts/measure_batch_invariance.py docs/results/batch_invariance_zen5
 """
 
 import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 
-import torch
-
-from specd.model.engine import Row
-from specd.model.loading import load_engine
-from specd.model.machine import machine
-from specd.proto.limits import Limits
-
-SESSIONS = 16
+KERNELS = {
+    "repacked": (True, {}),
+    "plain": (False, {}),
+    "vec_dot": (False, {"GGML_CPU_TILED_MM": "0"}),
+    "tiled": (False, {"GGML_CPU_TILED_MM_FORCE": "1"}),
+}
+SESSIONS = 32
 CONTEXT = 200
+COUNTS = (1, 2, 4, 8, 16, 32)
 
 
-def main(out: str) -> None:
+def measure(kernel: str) -> dict:
+    """The figures of one kernel, in this process (its environment already set)."""
+    import torch
+
+    import specd.model.llama_cpp_engine as llama_cpp_engine
+    from specd.model.engine import Row
+    from specd.model.loading import load_engine
+    from specd.proto.limits import Limits
+
+    repacked = KERNELS[kernel][0]
+    llama_cpp_engine.EXACT_SETTINGS = ((repacked, 1),)  # the load's probe at one position a call: kept as is
     engine = load_engine(
         "target",
         "target",
@@ -38,56 +59,97 @@ def main(out: str) -> None:
         engine="llama.cpp",
         limits=Limits(max_sessions=SESSIONS, max_session_tokens=1024, max_cached_tokens=SESSIONS * 1024),
     )
+    assert engine.repacked == repacked, "the probe found the one-position setting inexact: nothing to compare"
+    engine.call_tokens = 512  # every kept position of a pass in one call
     ids = [f"s{i}" for i in range(SESSIONS)]
     for i, session in enumerate(ids):
         engine.forward([Row(session, [(13 * j + 7 * i + 1) % 30000 for j in range(CONTEXT)], 1)])
 
-    def token(i: int, k: int) -> int:
-        return (97 * i + 31 * k + 5) % 30000
+    def rows(sessions: int, positions: int) -> list[Row]:
+        tokens = [[(97 * i + 31 * k + 5) % 30000 for k in range(positions)] for i in range(sessions)]
+        return [Row(ids[i], tokens[i], positions) for i in range(sessions)]
 
-    def run(rows: list[Row], call_tokens: int) -> list[torch.Tensor]:
-        engine.call_tokens = call_tokens
-        out = engine.forward(rows)
-        for row in rows:
+    def run(call: list[Row]) -> list[torch.Tensor]:
+        out = engine.forward(call)
+        for row in call:
             engine.crop(row.session_id, CONTEXT)
         return out
 
-    def timed(rows: list[Row], call_tokens: int) -> float:
+    def timed(call: list[Row]) -> float:
         times = []
         for _ in range(5):
             started = time.perf_counter()
-            run(rows, call_tokens)
+            run(call)
             times.append(time.perf_counter() - started)
         return round(statistics.median(times) * 1000, 1)
 
-    def alone(i: int, n: int) -> Row:
-        return Row(ids[i], [token(i, k) for k in range(n)], n)
-
-    def across(n: int) -> list[Row]:
-        return [Row(ids[i], [token(i, 0)], 1) for i in range(n)]
-
-    gemm4 = run([alone(0, 4)], 512)[0][0]
-    equal = {
-        "one row (gemv) == row 0 of a 4-row call (gemm)": torch.equal(run([alone(0, 1)], 3)[0][0], gemm4),
-        "row 0 of an 8-row call == of a 4-row call": torch.equal(run([alone(0, 8)], 512)[0][0], gemm4),
-        "row 0 of a 16-row call == of a 4-row call": torch.equal(run([alone(0, 16)], 512)[0][0], gemm4),
+    alone = [run(rows(SESSIONS, 1)[i : i + 1])[0][0] for i in range(SESSIONS)]
+    equal = {f"first of {n} positions of one session": torch.equal(run(rows(1, n))[0][0], alone[0]) for n in (4, 8, 16)}
+    for n in COUNTS[1:]:
+        together = run(rows(n, 1))
+        equal[f"{n} sessions in one call"] = sum(torch.equal(a[0], b) for a, b in zip(together, alone))
+    report = {"bit_equal_to_alone": equal, "ms_decode_steps": {n: timed(rows(n, 1)) for n in COUNTS}}
+    engine.call_tokens = 3  # as `bitwise` runs the repacked weights
+    report["ms_decode_steps_in_calls_of_3"] = {n: timed(rows(n, 1)) for n in COUNTS}
+    engine.call_tokens = 512
+    return {
+        **report,
+        "ms_verifies_of_4": {n: timed(rows(n, 4)) for n in COUNTS if n <= 16},
     }
-    for n in (4, 5, 8, 16):
-        rows = run(across(n), 512)
-        own = [run([Row(ids[i], [token(i, 0), 1, 2, 3], 4)], 512)[0][0] for i in range(n)]
-        same = [torch.equal(row[0], mine) for row, mine in zip(rows, own)]
-        equal[f"{n} sessions' rows in one call == each in a 4-row call of its own"] = f"{sum(same)} of {n}"
-    timings = {
-        "one row, gemv": timed([alone(0, 1)], 3),
-        "one session, 4 rows, gemm": timed([alone(0, 4)], 512),
-        **{f"{n} sessions x 1 row, calls of 3 (gemv)": timed(across(n), 3) for n in (4, 8, 16)},
-        **{f"{n} sessions x 1 row, one call (gemm)": timed(across(n), 512) for n in (4, 8, 16)},
-    }
-    report = {"machine": machine(), "context": CONTEXT, "bit_equal": equal, "milliseconds": timings}
-    print(json.dumps(report, indent=1))
-    with open(out, "w") as handle:
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.2))
+    for kernel, figures in report["kernels"].items():
+        steps = figures["ms_decode_steps"]
+        counts = [int(n) for n in steps]
+        equal = figures["bit_equal_to_alone"]
+        invariant = all(v if isinstance(v, bool) else v == int(k.split()[0]) for k, v in equal.items())
+        label = f"{kernel} ({'batch-invariant' if invariant else 'rows depend on the call'})"
+        axes.plot(counts, [steps[n] / int(n) for n in steps], marker="o", label=label)
+        if kernel == "repacked":  # the exact setting `bitwise` takes: the same weights, calls of 3
+            thirds = figures["ms_decode_steps_in_calls_of_3"]
+            label = "repacked in calls of 3 (bitwise today)"
+            axes.plot(counts, [thirds[n] / int(n) for n in thirds], marker="o", ls="--", label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("sessions in one llama_decode call (one decode step each)")
+    axes.set_ylabel("ms per row")
+    axes.set_title(f"ggml-cpu matmul kernels, default target, {report['machine']['cpu']}, 2 threads")
+    axes.legend(fontsize=8)
+    axes.grid(True, which="both", alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def main(out: str) -> None:
+    from specd.model.machine import machine
+
+    report = {"machine": machine(), "context": CONTEXT, "kernels": {}}
+    for kernel, (_, env) in KERNELS.items():
+        print(f"measuring {kernel} ...", flush=True)
+        child = subprocess.run(
+            [sys.executable, __file__, "--kernel", kernel],
+            env={**os.environ, **env},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        report["kernels"][kernel] = json.loads(child.stdout.strip().splitlines()[-1])
+        print(json.dumps(report["kernels"][kernel]), flush=True)
+    with open(f"{out}.json", "w") as handle:
         json.dump(report, handle, indent=1)
+    plot(report, f"{out}.png")
+    print(f"wrote {out}.json and {out}.png")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1] if len(sys.argv) > 1 else "batch_invariance.json")
+    if sys.argv[1:2] == ["--kernel"]:
+        print(json.dumps(measure(sys.argv[2])))
+    else:
+        main(sys.argv[1] if len(sys.argv) > 1 else "batch_invariance")
