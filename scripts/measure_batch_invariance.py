@@ -13,6 +13,9 @@ and two of ggml's environment switches (read once per process, so each runs in a
   plain      weights as stored: the one-row vec_dot up to 7 rows, the tiled K-quant matmul from 8
   vec_dot    plain, GGML_CPU_TILED_MM=0: the one-row vec_dot for every row, whatever the call
   tiled      plain, GGML_CPU_TILED_MM_FORCE=1: the tiled matmul for every call, one row too
+  patched    with --patched-lib DIR (scripts/batch_invariant_ggml/build.sh's folder): repacked, with ggml's
+             Q4_K gemm summing each super-block as the gemv does, and GGML_CPU_TILED_MM=0 (the Q6_K
+             weights, not repacked on x86, through the one-row vec_dot whatever the call)
 
 For each, on the default target with SESSIONS sessions of CONTEXT prompt tokens: bit for bit, the
 first position of a one-session call of 4, 8 and 16 positions against the same position alone, and n
@@ -20,7 +23,8 @@ sessions' rows in one call against each alone; and medians of 5 of one call of n
 (decode steps; also in calls of 3, as `bitwise` runs them) and of n sessions x 4 rows (verifies of 3
 guesses). Writes a JSON and a plot:
 
-  .venv/bin/python scripts/measure_batch_invariance.py docs/results/batch_invariance_kernels_zen5
+  .venv/bin/python scripts/measure_batch_invariance.py docs/results/batch_invariance_kernels_zen5 \
+      [--patched-lib /tmp/specd-ggml-batch-invariant]
 """
 
 import json
@@ -127,9 +131,11 @@ def plot(report: dict, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def main(out: str) -> None:
+def main(out: str, patched_lib: str | None) -> None:
     from specd.model.machine import machine
 
+    if patched_lib:
+        KERNELS["patched"] = (True, {"LLAMA_CPP_LIB_PATH": patched_lib, "GGML_CPU_TILED_MM": "0"})
     report = {"machine": machine(), "context": CONTEXT, "kernels": {}}
     for kernel, (_, env) in KERNELS.items():
         print(f"measuring {kernel} ...", flush=True)
@@ -150,6 +156,9 @@ def main(out: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--kernel"]:
+        if sys.argv[2] == "patched":
+            KERNELS["patched"] = (True, {})  # its environment is the parent's doing
         print(json.dumps(measure(sys.argv[2])))
     else:
-        main(sys.argv[1] if len(sys.argv) > 1 else "batch_invariance")
+        patched = sys.argv[sys.argv.index("--patched-lib") + 1] if "--patched-lib" in sys.argv else None
+        main(sys.argv[1] if len(sys.argv) > 1 else "batch_invariance", patched)
