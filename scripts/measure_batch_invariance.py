@@ -39,6 +39,8 @@ KERNELS = {
     "plain": (False, {}),
     "vec_dot": (False, {"GGML_CPU_TILED_MM": "0"}),
     "tiled": (False, {"GGML_CPU_TILED_MM_FORCE": "1"}),
+    # with --patched-lib only, which adds LLAMA_CPP_LIB_PATH
+    "patched": (True, {"GGML_CPU_TILED_MM": "0"}),
 }
 SESSIONS = 32
 CONTEXT = 200
@@ -134,10 +136,12 @@ def plot(report: dict, path: str) -> None:
 def main(out: str, patched_lib: str | None) -> None:
     from specd.model.machine import machine
 
-    if patched_lib:
-        KERNELS["patched"] = (True, {"LLAMA_CPP_LIB_PATH": patched_lib, "GGML_CPU_TILED_MM": "0"})
     report = {"machine": machine(), "context": CONTEXT, "kernels": {}}
     for kernel, (_, env) in KERNELS.items():
+        if kernel == "patched":
+            if not patched_lib:
+                continue
+            env = {**env, "LLAMA_CPP_LIB_PATH": patched_lib}
         print(f"measuring {kernel} ...", flush=True)
         child = subprocess.run(
             [sys.executable, __file__, "--kernel", kernel],
@@ -156,8 +160,6 @@ def main(out: str, patched_lib: str | None) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--kernel"]:
-        if sys.argv[2] == "patched":
-            KERNELS["patched"] = (True, {})  # its environment is the parent's doing
         print(json.dumps(measure(sys.argv[2])))
     else:
         patched = sys.argv[sys.argv.index("--patched-lib") + 1] if "--patched-lib" in sys.argv else None
