@@ -15,24 +15,8 @@ on or off, and every position after it is scored by the one-row kernels in both.
 KV has a stream of its own (`kv_unified` off): in the unified cache a rollback lets a session's
 next tokens land in cells before its earlier ones, and attention sums cells in cell order.
 
-How many positions one call may score depends on the weights' kernels (ggml-cpu):
-- repacked weights (`use_extra_bufts`, llama.cpp's default: Q4_K/Q5_K/Q6_K/Q8_0 interleaved for
-  AVX2/AVX-512): a matmul of 4 rows or more takes the gemm kernel, whose sums differ from the
-  one-row gemv; up to 3 rows each row goes through gemv, as a decode step does. So calls of 3.
-- plain weights: up to 7 rows take the one-row kernel; from 8 on, a tiled K-quant matmul.
-Repacked is the faster (measured on the default target, AMD EPYC Zen 5, family 26, AVX-512, 2
-threads: a decode step 32 ms against 37 ms; 5 positions in calls of 3 + 2, 114 ms, against one call
-of 5, 119 ms). Other CPUs may add buffer types of their own, so the engine does not take this on
-trust: at load it scores a few positions both ways (`_exact`) and takes the first setting that is
-bit-for-bit exact on this CPU, else one position per call.
-
-Why scoring every call through the gemm (rows padded to 4) is no way out either, measured on an AMD EPYC
-(family 23, AVX2 only, 2 threads, the default target): the gemm is slower per row there (1 real row padded to 4:
-313 ms against a 98 ms one-row decode; 16 rows 1003 ms), and not exact against itself across call shapes (a
-position scored in a call of 5 rows differs from the same position in a call of 4). And a pass batches only
-as far as llama.cpp splits it: with a KV stream per sequence, one ubatch takes sequences with consecutive seq
-ids and as many tokens each (`llama_batch_allocr::split_equal`), so sessions with scattered seq ids run as
-several ubatches.
+How many positions one call may score depends on ggml-cpu's matmul kernels on this CPU, and on
+the patches setup.sh builds into them: a probe at load decides (model/llama_cpp_exactness.py).
 
 Attention is llama.cpp's flash attention over a K cache of Q8_0 (`ATTENTION`; llama.cpp's default is F16).
 ggml-cpu's flash attention (ggml_compute_forward_flash_attn_ext_f16) takes one of three
@@ -70,17 +54,13 @@ prompts at 4 / 8 / 16 streams (docs/performance/under-load.md): 42.3 / 48.9 / 58
 per session, 61.5 / 47.5 / 75.3 unified. In both modes a new session takes the lowest free seq id
 and a pass's kept positions go in seq-id order, so consecutive sessions share a ubatch (split_equal above).
 
-On Intel CPUs with AMX, ggml's extra buffer types include AMX's, and its matmul crashes the process
-(a general protection fault in ggml_backend_amx_mul_mat; ggml-org/llama.cpp#20824, open): measured
-on an Intel Xeon (family 6, model 167) with llama-cpp-python 0.3.36 and with llama-server 0.26.
-There the engine uses plain weights only (`exact_settings`); repacking the Q4_K weights alone (the
-AMX type left out by tensor overrides) was no faster there than plain, within the noise.
 Not thread-safe: the service's model thread is its only caller.
 """
 
 import ctypes
 import heapq
 import logging
+import os
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -93,17 +73,21 @@ from transformers import PreTrainedTokenizerBase
 
 from specd.model.engine import ModelDescription, Row
 from specd.model.errors import CapacityExceeded
+from specd.model.llama_cpp_exactness import (
+    EXACT_FOUND,
+    TILED_MIN_ROWS,
+    exact_settings,
+    ggml_has_amx,
+    probed_key,
+    restores_as_fresh_prefill,
+    scores_as_decode_steps,
+)
 from specd.model.loaded import tokenizer_files, tokenizer_fingerprint
 from specd.model.prefix_cache import BLOCK_TOKENS, prefill_cuts, starts_call
 from specd.proto.limits import EXACTNESS
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ: llama.cpp's own bound on sequences in one context
 BATCH_TOKENS = 512  # the most tokens one llama_decode call takes
-# (repacked weights, positions one call may score) tried in order: see the module's docstring
-EXACT_SETTINGS = ((True, 3), (False, 7))
-# the self-test's context before the positions it scores: past 256 tokens, where llama.cpp's attention
-# view grows to 512 cells and flash attention would split a lone decode step across threads
-PROBE_TOKENS = 264
 GGML_TYPE_BF16 = 30  # ggml.h's; llama-cpp-python names no constant for it
 # (flash attention, K cache type, V cache type), the first a context can be made with: flash attention
 # over a Q8_0 K cache, exact past 256 tokens of context where an F16 K cache is not (the docstring;
@@ -147,10 +131,12 @@ class LlamaCppEngine:
         self.boundaries = frozenset(eos_token_ids)  # a prefill call ends before each (prefix_cache.prefill_cuts)
         self.free = list(range(sessions))  # a heap: the lowest free seq id first, so a pass's seq ids stay consecutive
         self.exactness = exactness
+        if exactness == "bitwise":  # ggml reads it at its first tiled matmul, once a process (TILED_MIN_ROWS)
+            os.environ.setdefault("GGML_CPU_TILED_MM_MIN_ROWS", str(TILED_MIN_ROWS))
         if exactness == "batched":  # every scored position of a pass in one call: ggml's gemm from 4 rows
             self.repacked, self.call_tokens = not ggml_has_amx(), BATCH_TOKENS
             self._load(gguf, self.repacked, threads, sessions, session_tokens)
-        elif (probed := _probed(gguf, threads, sessions, session_tokens)) in EXACT_FOUND:
+        elif (probed := probed_key(gguf, threads, sessions, session_tokens)) in EXACT_FOUND:
             self.repacked, self.call_tokens = EXACT_FOUND[probed]
             self._load(gguf, self.repacked, threads, sessions, session_tokens)
         else:
@@ -215,42 +201,8 @@ class LlamaCppEngine:
         self.vocab_size = llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(self.model))
         self.n_ctx = llama.llama_n_ctx(self.context)
 
-    def _exact(self) -> bool:
-        """Whether, past PROBE_TOKENS of context (or as far as a session's stream holds), every call of
-        2..call_tokens positions gives bit for bit a decode step's logits at each, and a decode step
-        batched beside another session (where there is room for two) gives its own."""
-        length = min(PROBE_TOKENS, llama.llama_n_ctx_seq(self.context) - self.call_tokens)
-        tokens = [(7 * i + 3) % self.vocab_size for i in range(length + self.call_tokens)]
-        steps = [self.forward([Row("probe", tokens[: length + 1], 1)])[0]]
-        steps += [self.forward([Row("probe", [token], 1)])[0] for token in tokens[length + 1 :]]
-        exact = True
-        for n in range(2, self.call_tokens + 1):
-            self.crop("probe", length)
-            scored = self.forward([Row("probe", tokens[length : length + n], n)])[0]
-            exact = exact and torch.equal(scored, torch.cat(steps[:n]))
-        if self.free:
-            self.crop("probe", length)
-            other = Row("probe-beside", tokens[:9], 1)
-            beside = self.forward([Row("probe", tokens[length : length + 1], 1), other])[0]
-            exact = exact and torch.equal(beside, steps[0])
-            self.release("probe-beside")
-        self.release("probe")
-        return exact
-
-    def _prefix_exact(self) -> bool:
-        """Whether a session restored from a prefix's snapshot, then prefilled on, scores bit for bit
-        as a fresh prefill of the same tokens (`reusable`'s premise), on this CPU and these weights."""
-        tokens = [(11 * i + 5) % self.vocab_size for i in range(2 * PREFILL_BLOCK + 3)]
-        fresh = self.forward([Row("probe", tokens, 1)])[0]
-        state = self.snapshot("probe", len(tokens) - 1)
-        self.release("probe")
-        exact = True
-        for held in (PREFILL_BLOCK, len(tokens) - 1):  # the first block of the head's two; the head whole
-            self.restore("probe", state, held)
-            resumed = self.forward([Row("probe", tokens[held:], 1)])[0]
-            self.release("probe")
-            exact = exact and torch.equal(fresh, resumed)
-        return exact
+    _exact = scores_as_decode_steps  # the probes at load (model/llama_cpp_exactness.py)
+    _prefix_exact = restores_as_fresh_prefill
 
     def _unload(self) -> None:
         llama.llama_batch_free(self.batch)
@@ -394,29 +346,6 @@ class SequenceState:
     nbytes: int
     length: int  # its leading tokens that may be restored
     held_tokens: int  # the whole sequence's: llama.cpp copies a sequence whole (the tail and drafts too)
-
-
-def ggml_has_amx() -> bool:
-    """Whether ggml here would put weights in its AMX buffer type, which crashes (module docstring)."""
-    llama.llama_backend_init()
-    return b"AMX_INT8 = 1" in llama.llama_print_system_info()
-
-
-# What the probe (`_exact`) found, by _probed's key: a fact of the file, this CPU and llama.cpp build, the
-# threads and the context's shape, so a process that loads the same model again (a restarted service in
-# the same process, the tests) takes it without loading each setting again.
-EXACT_FOUND: dict[tuple, tuple[bool, int]] = {}
-
-
-def _probed(gguf: Path, threads: int, sessions: int, session_tokens: int) -> tuple:
-    stat = Path(gguf).stat()
-    return str(Path(gguf).resolve()), stat.st_size, stat.st_mtime_ns, threads, sessions, session_tokens
-
-
-def exact_settings() -> tuple[tuple[bool, int], ...]:
-    """EXACT_SETTINGS that are safe to try here: none with extra buffer types where ggml has AMX."""
-    amx = ggml_has_amx()
-    return tuple(setting for setting in EXACT_SETTINGS if not (amx and setting[0]))
 
 
 def _calls(

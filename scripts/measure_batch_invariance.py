@@ -51,13 +51,13 @@ def measure(kernel: str) -> dict:
     """The figures of one kernel, in this process (its environment already set)."""
     import torch
 
-    import specd.model.llama_cpp_engine as llama_cpp_engine
+    import specd.model.llama_cpp_exactness as llama_cpp_exactness
     from specd.model.engine import Row
     from specd.model.loading import load_engine
     from specd.proto.limits import Limits
 
     repacked = KERNELS[kernel][0]
-    llama_cpp_engine.EXACT_SETTINGS = ((repacked, 1),)  # the load's probe at one position a call: kept as is
+    llama_cpp_exactness.EXACT_SETTINGS = ((repacked, 1),)  # the load's probe at one position a call: kept as is
     engine = load_engine(
         "target",
         "target",

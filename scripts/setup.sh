@@ -65,4 +65,12 @@ if [ -n "$fresh" ]; then
   echo "setup: a first install takes minutes: llama-cpp-python builds from source (~6 min on 2 cores) unless pip's cache has its wheel"
 fi
 step "installing specd and its dependencies" .venv/bin/python -m pip install --quiet "${editable[@]}" -e '.[test]'
+# The llama.cpp engine's exact mode scores many sessions' positions in one call only where ggml's
+# matmuls give each row what it gets alone (batch-invariant): llama-cpp-python's ggml-cpu is rebuilt
+# with two small patches for that (scripts/batch_invariant_ggml/; ~1 min once, then from the cache).
+# Without them the engine stays exact, in calls of 3 positions (model/llama_cpp_engine.py).
+if ! step "patching llama-cpp-python's ggml-cpu (batch-invariant matmuls)" scripts/batch_invariant_ggml/build.sh --install; then
+  echo "warning: could not build the patched ggml-cpu; the llama.cpp engine stays exact in calls of" \
+    "3 positions, ~2x slower per row under load (tests/test_batch_invariant_ggml.py fails)" >&2
+fi
 echo "specd installed: .venv/bin/specd"

@@ -19,7 +19,8 @@ from specd.proto.limits import Limits
 
 try:
     from specd.model import llama_cpp_engine
-    from specd.model.llama_cpp_engine import BATCH_TOKENS, EXACT_SETTINGS, LlamaCppEngine, exact_settings
+    from specd.model.llama_cpp_engine import BATCH_TOKENS, LlamaCppEngine
+    from specd.model.llama_cpp_exactness import EXACT_SETTINGS, exact_settings
 except ModuleNotFoundError:  # no llama-cpp-python (the lent GPU machine): the CUDA engine tests still run
     llama_cpp_engine = BATCH_TOKENS = EXACT_SETTINGS = exact_settings = None
     LlamaCppEngine = type("LlamaCppEngine", (), {})

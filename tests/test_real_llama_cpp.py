@@ -80,6 +80,37 @@ async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_
     assert torch.equal(beside, steps[0])
 
 
+async def test_many_sessions_steps_and_a_verify_in_one_call_score_as_each_alone(real_stack):
+    """With scripts/batch_invariant_ggml/'s patches in ggml-cpu (setup.sh builds them in), the target
+    takes the first exact setting: repacked weights, up to 63 scored positions a call, where without
+    them it scores 3 a call (model/llama_cpp_exactness.py). Then one call of 13 sessions' decode steps
+    and a verify of 4 gives each position bit for bit what it gets alone."""
+    from specd.model.llama_cpp_exactness import EXACT_SETTINGS, ggml_has_amx
+
+    def score(engine):
+        text = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n" * 20
+        tokens = engine.tokenizer(text).input_ids[:320]
+        ids = [f"s{i}" for i in range(13)]
+        for i, session_id in enumerate(ids):  # contexts of 40..76 tokens, each its own
+            engine.forward([Row(session_id, tokens[: 40 + 3 * i], 1)])
+        engine.forward([Row("verify", tokens[:300], 1)])
+        alone = [engine.forward([Row(session_id, [tokens[i]], 1)])[0] for i, session_id in enumerate(ids)]
+        alone.append(engine.forward([Row("verify", tokens[300:304], 4)])[0])
+        for i, session_id in enumerate(ids):
+            engine.crop(session_id, 40 + 3 * i)
+        engine.crop("verify", 300)
+        rows = [Row(session_id, [tokens[i]], 1) for i, session_id in enumerate(ids)]
+        together = engine.forward([*rows, Row("verify", tokens[300:304], 4)])
+        for session_id in [*ids, "verify"]:
+            engine.release(session_id)
+        return (engine.repacked, engine.call_tokens), alone, together
+
+    setting, alone, together = await on_target_thread(real_stack, score)
+    if not ggml_has_amx():
+        assert setting == EXACT_SETTINGS[0], f"{setting}: is the patched ggml-cpu installed? (scripts/setup.sh)"
+    assert all(torch.equal(a, b) for a, b in zip(alone, together)), "a row scores otherwise beside others"
+
+
 async def test_a_transformers_draft_serves_a_llama_cpp_target(real_stack, real_baselines, tmp_path):
     """One pair, two engines: the real draft in float32 on the transformers engine (`specd serve draft
     --engine transformers --quantize none`, a process of its own) in front of the llama.cpp target: the tokenizer check
