@@ -9,7 +9,9 @@ call's end), so a prefix computes alike in every longer prompt up to any of thos
 takes an entry's tokens up to the deepest position that is a cut of both (whole blocks; a message's
 end; the entry's own end where the new prompt's message ends there, or where its head is exactly the
 entry's). The same short prompt sent twice is prefilled once, and a chat's next turn finds the last
-one's messages up to the end of the last question. Not the answer as it was decoded: a decode step
+one's messages up to the end of the last question (where the engine scores a position alike in any
+pass, `scores_from_cache`, the same prompt again computes nothing: its entry also keeps the prompt's
+last position and the logits scored there, `Entry.first`). Not the answer as it was decoded: a decode step
 computes a token's KV with other kernels than a prefill (one row against many;
 model/llama_cpp_engine.py). The answer is kept by `SessionStore.keep_answer` instead, after its
 request ends: the request's tokens prefilled again in those calls from the deepest cut the store
@@ -49,6 +51,7 @@ from specd.proto.contract import block_hashes, root_hash
 # rows run as fast as longer ones there; vLLM's blocks are 16 tokens.
 BLOCK_TOKENS = 64
 CANDIDATES = 32  # entries sharing a new prompt's blocks that a lookup compares past them, the newest first
+FIRSTS_MOST = 64  # entries that keep their prompt's first-token logits, at most (a vocabulary of float32 each)
 
 
 def starts_call(position: int, token: int, boundaries: Collection[int]) -> bool:
@@ -89,6 +92,9 @@ class Entry:
     tokens: tuple[int, ...]  # whole blocks, then perhaps a tail: the rest of the head they were prefilled as
     snapshot: Any  # the engine's copy of their KV (model/engine.py Snapshot: .nbytes, .held_tokens)
     chain: list[bytes] = field(default_factory=list)  # the chain hash after each whole block
+    # (the prompt's last token, the logits its opening pass scored there): a prompt of exactly `tokens`
+    # and that token has its first token's logits here, and its copy holds that position too
+    first: tuple[int, Any] | None = None
 
     @property
     def blocks(self) -> int:
@@ -180,6 +186,14 @@ class PrefixCache:
                 return cut
         return start
 
+    def first_for(self, salt: str, tokens: Sequence[int]) -> Entry | None:
+        """The entry that holds all of `tokens` as a prompt it saw: its head, then its last token with
+        the logits scored there (`Entry.first`); None when there is none."""
+        entry, length = self.lookup(salt, tokens, len(tokens) - 1)
+        if entry is None or entry.first is None or length != len(entry.tokens) or length != len(tokens) - 1:
+            return None
+        return entry if entry.first[0] == tokens[-1] else None
+
     def count(self, hit: int, prompt: int) -> None:
         """A new session's prompt: `hit` of its `prompt` tokens came from the store."""
         if self.enabled:
@@ -195,11 +209,15 @@ class PrefixCache:
         _, held = self.lookup(salt, tokens, length)
         return 0 if held >= length else length
 
-    def insert(self, salt: str, tokens: list[int], snapshot: Any) -> None:
+    def insert(self, salt: str, tokens: list[int], snapshot: Any, first: tuple[int, Any] | None = None) -> None:
         """Keep `snapshot`, the KV of `tokens` (a head: whole blocks and a tail), dropping the entries
         whose tokens it starts with (a chat's last turn, the same prompt kept before), then evicting
-        the least recently used until the budget holds."""
-        entry = Entry(salt, tuple(tokens), snapshot, chain_hashes(salt, tokens, len(tokens) // BLOCK_TOKENS))
+        the least recently used until the budget holds. `first`: the prompt's last token and its
+        logits (Entry.first), kept by the FIRSTS_MOST most recently used entries."""
+        entry = Entry(salt, tuple(tokens), snapshot, chain_hashes(salt, tokens, len(tokens) // BLOCK_TOKENS), first)
+        firsts = [held for held in self.entries.values() if held.first is not None]
+        for held in firsts[: max(0, len(firsts) + (first is not None) - FIRSTS_MOST)]:
+            held.first = None  # the least recently used give theirs up
         for entry_id in list(self.index.get(root_hash(salt), ())):
             old = self.entries[entry_id]
             extended = _extends(entry, old)

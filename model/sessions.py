@@ -50,6 +50,7 @@ class Session:
     skip: int = 0  # leading tokens of its next row already held (restored from the store)
     opening: bool = False  # its next pass is its first: the store may keep the prefix it computes
     keep_until: int | None = None  # after that pass: its tokens before those the pass kept logits for
+    first: torch.Tensor | None = None  # the logits of its next row's first scored position, from the cache
 
 
 class SessionStore:
@@ -88,23 +89,36 @@ class SessionStore:
     def _reuse(self, session: Session, cursor: Cursor) -> Session:
         """A call from token 0, rolled back to nothing: a new session's opening call, or a live one's
         prefill again (a resync, a reset record). Either starts from the longest prefix of its tokens
-        the store holds (never all of them: the call computes at least its last token), and its first
-        pass may be kept. A restore that runs out of memory drops that entry and the call computes the
+        the store holds (never all of them: the call computes at least its last token, unless the
+        store holds this very prompt with the logits scored at its last position, `Entry.first`), and
+        its first pass may be kept. A restore that runs out of memory drops that entry and the call computes the
         prefix itself: the store never fails a call."""
         session.salt, session.opening, session.keep_until = cursor.salt, True, None
         self.engine.release(session.session_id)  # nothing held (truncated to 0): a restore starts it anew
         entry, length = self.opening_prefix(cursor)
+        answered = self.prefix.first_for(cursor.salt, cursor.tokens) if self.scores_from_cache else None
+        if answered is not None:  # the same prompt again: its last position too, with its logits
+            entry, length = answered, len(cursor.tokens)
         if entry is not None:
             try:
-                self.engine.restore(session.session_id, entry.snapshot, length)
+                restore = self.engine.restore_scored if answered is not None else self.engine.restore
+                restore(session.session_id, entry.snapshot, length)
             except (CapacityExceeded, MemoryError):  # no room for the copy: the call computes it all
                 self.engine.release(session.session_id)
                 self.prefix.failed(entry)
                 length = 0
             else:
                 session.tokens, session.reused, session.skip = list(cursor.tokens[:length]), length, length
+                if answered is not None:
+                    session.first, session.opening = answered.first[1], False
         self.prefix.count(length, len(cursor.tokens))
         return session
+
+    @property
+    def scores_from_cache(self) -> bool:
+        """Whether a prompt seen before may take its first token's logits from the cache: where the
+        engine scores a position alike in any pass (model/llama_cpp_engine.py `scores_from_cache`)."""
+        return self.prefix.enabled and getattr(self.engine, "scores_from_cache", False)
 
     def opening_prefix(self, cursor: Cursor) -> tuple[Entry | None, int]:
         """The prefix-cache entry a call from token 0 opens from, and the tokens of it restored (never
@@ -166,7 +180,7 @@ class SessionStore:
         opening call took from the store at most `length` are left."""
         del session.tokens[length:]
         self.engine.crop(session.session_id, length)
-        session.skip, session.reused = 0, min(session.reused, length)
+        session.skip, session.reused, session.first = 0, min(session.reused, length), None
 
     def forward(self, rows: list[Row]) -> list[torch.Tensor]:
         """The engine's forward pass (model/engine.py), each row's tokens then recorded as held. A
@@ -182,14 +196,18 @@ class SessionStore:
             if not (getattr(self.engine, "copies_take_kv_memory", False) and self.prefix.clear()):
                 raise
             logits = self.engine.forward(rows)
-        for row in rows:
+        for index, row in enumerate(rows):
             session = self.sessions[row.session_id]
             session.tokens.extend(row.tokens)
             session.skip = 0
             if session.opening and session.keep_until is None:
                 session.keep_until = len(session.tokens) - row.keep_logits
+            if session.first is not None:  # its first scored position came from the cache (`_unheld`)
+                logits[index] = torch.cat([session.first[None].to(logits[index]), logits[index]])
+                session.first = None
         if not self.in_block:
-            self.keep_prefixes([row.session_id for row in rows])
+            session_ids = [row.session_id for row in rows]
+            self.keep_prefixes(session_ids, dict(zip(session_ids, logits)))
         return logits
 
     def _unheld(self, row: Row) -> Row:
@@ -198,6 +216,9 @@ class SessionStore:
         session = self.sessions[row.session_id]
         if not session.skip:
             return row
+        if session.first is not None and session.skip == len(row.tokens) - row.keep_logits + 1:
+            return Row(row.session_id, row.tokens[session.skip :], row.keep_logits - 1)  # its first is held
+        session.first = None
         skip = min(session.skip, len(row.tokens) - row.keep_logits)
         if skip < session.skip:  # back to whole blocks: a restored tail is exact only as the head it ended
             skip = skip // BLOCK_TOKENS * BLOCK_TOKENS
@@ -219,15 +240,18 @@ class SessionStore:
             self.in_block = False
         self.keep_prefixes(session_ids)
 
-    def keep_prefixes(self, session_ids: list[str]) -> None:
+    def keep_prefixes(self, session_ids: list[str], scored: dict[str, torch.Tensor] | None = None) -> None:
         """After a session's opening pass: keep in the prefix cache what a fresh prefill would
         reproduce of it, in whole blocks, never the positions that pass kept logits for (a verify's
-        draft tokens, a draft's guesses: not committed)."""
+        draft tokens, a draft's guesses: not committed). `scored`: each session's logits from the
+        pass; where the engine scores alike in any pass, the first of them (its prompt's last
+        position) is kept with the head, and the same prompt sent again takes it with no pass."""
         for session_id in session_ids if self.prefix.enabled else ():
             session = self.sessions.get(session_id)
             if session is None or session.keep_until is None:
                 continue  # no opening pass ran
-            end = min(self.engine.reusable(session_id), session.keep_until, len(session.tokens))
+            keep_until = session.keep_until
+            end = min(self.engine.reusable(session_id), keep_until, len(session.tokens))
             session.opening, session.keep_until = False, None
             length = self.prefix.wants(session.salt, session.tokens[:end])
             if length:
@@ -236,7 +260,11 @@ class SessionStore:
                 except (CapacityExceeded, MemoryError):  # no memory for the copy: the call that ran keeps its result
                     self.prefix.failed()
                     continue
-                self.prefix.insert(session.salt, session.tokens[:length], copy)
+                logits = (scored or {}).get(session_id)
+                first = None
+                if self.scores_from_cache and logits is not None and len(logits) and length == keep_until:
+                    first = (session.tokens[length], logits[0].clone())  # the prompt's last position's
+                self.prefix.insert(session.salt, session.tokens[:length], copy, first)
 
     def release(self, session_id: str, committed: list[int] | None = None) -> bool:
         """End the session. `committed`: its request's tokens, prompt and answer; where they are a

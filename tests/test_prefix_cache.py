@@ -53,6 +53,26 @@ def test_a_hash_collision_serves_neither_other_tokens_nor_another_tenants_prefix
     assert cache.lookup("tenant-a", tokens(2, 2 * B), most=2 * B) == (None, 0)  # other tokens
 
 
+def test_the_first_token_logits_are_found_for_the_very_prompt_and_kept_by_the_newest_entries_only():
+    """Entry.first: a prompt of exactly the head and that token finds it; another last token, a longer
+    or a shorter prompt, or another salt does not; past FIRSTS_MOST the least recently used entries
+    give theirs up (each holds a vocabulary of float32)."""
+    from specd.model.prefix_cache import FIRSTS_MOST
+
+    cache = PrefixCache(budget_tokens=1000 * B)
+    prompts = [tokens(500 + index, 20) for index in range(FIRSTS_MOST + 1)]
+    for prompt in prompts:
+        cache.insert("", prompt[:-1], Copy(10), (prompt[-1], f"logits of {prompt[-1]}"))
+    first = prompts[-1]
+    assert cache.first_for("", first).first == (first[-1], f"logits of {first[-1]}")
+    for other in (first[:-1] + [first[-1] + 1], first + [7], first[:-1]):
+        assert cache.first_for("", other) is None
+    assert cache.first_for("tenant", first) is None
+    held = list(cache.entries.values())  # least recently used first
+    assert len(held) == len(prompts) and held[0].first is None  # its head still held, its logits given up
+    assert sum(entry.first is not None for entry in held) == FIRSTS_MOST
+
+
 def test_only_leaves_are_kept_a_longer_prefix_replaces_the_one_it_extends():
     cache = PrefixCache(budget_tokens=10 * B)
     chat = tokens(4, 5 * B)
@@ -190,24 +210,32 @@ def test_a_session_from_a_kept_prefix_scores_bit_for_bit_as_a_fresh_prefill(llam
     assert stats.hit_tokens == 3 * 3 * B and stats.miss_tokens > 0
 
 
-def test_the_same_short_prompt_again_computes_only_its_last_token_bit_for_bit(llama):
-    """Issue 49, short prompts: a prompt under a block, sent again, restores every token but its last
-    and scores it, and the steps after it, bit for bit as a fresh prefill; an opening Verify (drafts
-    after the prompt) finds it too. A prompt that only starts with it finds nothing: its prefill's
-    last call would be another."""
+def test_the_same_short_prompt_again_takes_even_its_first_token_from_the_store_bit_for_bit(llama, monkeypatch):
+    """Issue 49, short prompts: a prompt under a block, sent again, restores every token, its last
+    too, with the logits its first pass scored there (issue 50: the llama.cpp engine scores a position
+    alike in any pass), so the engine computes nothing for it; those logits and the steps after them
+    are bit for bit a fresh prefill's. An opening Verify (drafts after the prompt) computes only its
+    drafts. A prompt that only starts with it finds nothing: its prefill's last call would be another;
+    one that differs in its last token restores the head and scores its own."""
     cached, fresh = store(llama, 4096), store(llama, 0)
+    assert cached.scores_from_cache and not fresh.scores_from_cache
     prompt = tokens(43, 30)
     opening(cached, "first", prompt)
     cached.release("first")
-    head = len(prompt) - 1
-    calls = (  # session, its cursor's tokens, its first row, the logits it keeps, tokens restored
-        ("again", prompt, prompt, 1, head),
-        ("verify", prompt, prompt + [5, 6, 7], 4, head),
-        ("longer", prompt + [9], prompt + [9], 1, 0),
+    computed = []
+    forward = llama.forward
+    monkeypatch.setattr(llama, "forward", lambda rows: computed.append([len(r.tokens) for r in rows]) or forward(rows))
+    calls = (  # session, its cursor's tokens, its first row, the logits it keeps, tokens restored, computed
+        ("again", prompt, prompt, 1, len(prompt), 0),
+        ("verify", prompt, prompt + [5, 6, 7], 4, len(prompt), 3),
+        ("longer", prompt + [9], prompt + [9], 1, 0, len(prompt) + 1),
+        ("other last", prompt[:-1] + [9], prompt[:-1] + [9], 1, len(prompt) - 1, 1),
     )
-    for session_id, cursor, row, keep, reused in calls:
+    for session_id, cursor, row, keep, reused, tokens_computed in calls:
         cached.sync(Cursor(session_id, 0, 0, cursor))
+        computed.clear()
         logits = cached.forward([Row(session_id, row, keep)])[0]
+        assert computed == [[tokens_computed]], session_id
         fresh.sync(Cursor(f"fresh {session_id}", 0, 0, cursor))  # both stores share the engine
         assert torch.equal(logits, fresh.forward([Row(f"fresh {session_id}", row, keep)])[0])
         assert cached.sessions[session_id].reused == reused
@@ -216,7 +244,7 @@ def test_the_same_short_prompt_again_computes_only_its_last_token_bit_for_bit(ll
             assert torch.equal(ahead, fresh.forward([Row(f"fresh {session_id}", step, len(step))])[0])
         cached.release(session_id)
         fresh.release(f"fresh {session_id}")
-    assert cached.prefix.stats().hit_tokens == 2 * (len(prompt) - 1)
+    assert cached.prefix.stats().hit_tokens == 2 * len(prompt) + len(prompt) - 1
 
 
 def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
@@ -226,7 +254,7 @@ def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
     opening(cached, "b", prompt, salt="tenant-b")
     assert cached.sessions["b"].reused == 0  # never a block of tenant a's
     opening(cached, "a2", prompt, salt="tenant-a")
-    assert cached.sessions["a2"].reused == len(prompt) - 1  # the same salt shares: the same head whole
+    assert cached.sessions["a2"].reused == len(prompt)  # the same salt shares: the same prompt whole
     opening(cached, "none", prompt)
     assert cached.sessions["none"].reused == 0  # no salt: the shared pool, which holds nothing yet
     for session_id in list(cached.sessions):
@@ -240,7 +268,7 @@ def test_a_call_that_wants_logits_for_the_kept_prefix_computes_them(llama):
     opening(cached, "seed", prompt)
     for keep, reused in ((len(prompt), 0), (3, 2 * B)):  # every row; the last 3, inside the restored tail
         cached.sync(Cursor("all", 0, 0, prompt))
-        assert cached.sessions["all"].reused == len(prompt) - 1
+        assert cached.sessions["all"].reused == len(prompt)  # its last token too, with the logits scored there
         kept = cached.forward([Row("all", prompt, keep)])[0]
         fresh.sync(Cursor("all", 0, 0, prompt))
         assert torch.equal(kept, fresh.forward([Row("all", prompt, keep)])[0])
@@ -260,7 +288,7 @@ def test_many_conversations_over_a_small_budget_evict_and_never_fail(llama):
     stats = cached.prefix.stats()
     assert stats.entries == 4 and stats.evictions == 12 and stats.hit_tokens == 0
     opening(cached, "again", tokens(115, 2 * B + 5))  # the last one is still held
-    assert cached.sessions["again"].reused == 2 * B + 4  # its head whole, tail and all
+    assert cached.sessions["again"].reused == 2 * B + 5  # all of it, its last token with the logits scored there
     cached.release("again")
 
 
@@ -273,15 +301,14 @@ def test_after_a_failed_opening_pass_a_call_from_token_0_computes_every_token(ll
     prompt = tokens(16, 2 * B + 6)
     opening(cached, "seed", prompt)
     cached.sync(Cursor("again", 0, 0, prompt))
-    assert cached.sessions["again"].skip == len(prompt) - 1
+    assert cached.sessions["again"].skip == len(prompt)  # its last token too, with its logits
     with monkeypatch.context() as failing:
         failing.setattr(llama, "forward", lambda rows: (_ for _ in ()).throw(RuntimeError("a pass failed")))
         with pytest.raises(RuntimeError):
             cached.forward([Row("again", prompt, 1)])
     cached.sync(Cursor("again", 0, 0, prompt))  # the retry, from token 0
     session = cached.sessions["again"]
-    head = len(prompt) - 1
-    assert (session.skip, session.reused, session.tokens) == (head, head, prompt[:head])  # restored anew
+    assert (session.skip, session.reused, session.tokens) == (len(prompt), len(prompt), prompt)  # restored anew
     logits = cached.forward([Row("again", prompt, 1)])[0]
     assert torch.equal(logits, opening(fresh, "fresh", prompt)) and session.tokens == prompt
     for session_id in ("seed", "again"):

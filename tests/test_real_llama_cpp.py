@@ -175,8 +175,9 @@ async def test_drafting_ahead_on_the_real_pair_keeps_the_output(real_stack):
 
 async def test_a_prompt_served_from_the_prefix_cache_gives_the_same_tokens(real_stack):
     """The prefix cache on the real pair (model/prefix_cache.py): a prompt seen before starts from its
-    kept head (every token but the one the call scores), under the same cache_salt only, and the
-    greedy output is a fresh prefill's; the engine's logits agree bit for bit."""
+    kept head and its last token, with the logits its first pass scored there (so its first token
+    costs no pass), under the same cache_salt only, and the greedy output is a fresh prefill's; the
+    engine's logits agree bit for bit."""
     from specd.bench.systems import EDIT_PROMPTS, load_prompts
 
     prompt = load_prompts(EDIT_PROMPTS)[0][0] + "\n# Also keep a docstring.\n"
@@ -189,8 +190,8 @@ async def test_a_prompt_served_from_the_prefix_cache_gives_the_same_tokens(real_
         runs.append(await complete(real_stack.client, message))
     assert len({tuple(run.token_ids) for run in runs}) == 1
     cached = [run.final.usage.cached_prompt_tokens for run in runs]
-    head = runs[0].final.usage.prompt_tokens - 1
-    assert cached == [0, 0, head, head], cached  # b never hits a's
+    whole = runs[0].final.usage.prompt_tokens
+    assert cached == [0, 0, whole, whole], cached  # b never hits a's
     assert target.prefix_stats().hit_tokens - hits >= cached[2] + cached[3]
     assert await on_target_thread(real_stack, lambda engine: restored_as_fresh(engine, prompt, 64))
 
