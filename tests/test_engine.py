@@ -329,9 +329,7 @@ def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf,
             feed(each, f"s{index}", prompt, keep=0)
     calls = []
     decode = LlamaCppEngine._decode
-    monkeypatch.setattr(
-        LlamaCppEngine, "_decode", lambda engine, *args: calls.append(args[-1]) or decode(engine, *args)
-    )
+    monkeypatch.setattr(LlamaCppEngine, "_decode", lambda engine, *args: calls.append(args[3]) or decode(engine, *args))
     rows = [Row("s2", [5, 6, 7], 3), Row("s0", [8], 1), Row("s1", [9, 10], 2)]
     scored = batched.forward(rows)
     assert len(calls) == 1 and len(calls[0]) == 6  # 3 + 1 + 2 positions, one call

@@ -83,8 +83,10 @@ async def test_past_256_tokens_a_verify_and_a_batched_step_score_as_lone_decode_
 async def test_many_sessions_steps_and_a_verify_in_one_call_score_as_each_alone(real_stack):
     """With scripts/batch_invariant_ggml/'s patches in ggml-cpu (setup.sh builds them in), the target
     takes the first exact setting: repacked weights, up to 63 scored positions a call, where without
-    them it scores 3 a call (model/llama_cpp_exactness.py). Then one call of 13 sessions' decode steps
-    and a verify of 4 gives each position bit for bit what it gets alone."""
+    them it scores 3 a call (model/llama_cpp_exactness.py). Then one call of 10 of 13 sessions' decode
+    steps and a verify of 4 gives each position bit for bit what it gets alone; the three left out sit
+    in gaps of the call's seq ids, which the engine fills with a token each (`_fillers`: one ubatch,
+    not several) and removes, so their next steps are what they were too."""
     from specd.model.llama_cpp_exactness import EXACT_SETTINGS, ggml_has_amx
 
     def score(engine):
@@ -99,16 +101,23 @@ async def test_many_sessions_steps_and_a_verify_in_one_call_score_as_each_alone(
         for i, session_id in enumerate(ids):
             engine.crop(session_id, 40 + 3 * i)
         engine.crop("verify", 300)
-        rows = [Row(session_id, [tokens[i]], 1) for i, session_id in enumerate(ids)]
+        out = {3, 7, 8}  # gaps of one and two seq ids
+        rows = [Row(session_id, [tokens[i]], 1) for i, session_id in enumerate(ids) if i not in out]
+        filled = engine.filled
         together = engine.forward([*rows, Row("verify", tokens[300:304], 4)])
+        filled = engine.filled - filled
+        after = [engine.forward([Row(ids[i], [tokens[i]], 1)])[0] for i in sorted(out)]
         for session_id in [*ids, "verify"]:
             engine.release(session_id)
-        return (engine.repacked, engine.call_tokens), alone, together
+        expected = [a for i, a in enumerate(alone[:-1]) if i not in out] + [alone[-1]]
+        return (engine.repacked, engine.call_tokens), expected, together, filled, [alone[i] for i in sorted(out)], after
 
-    setting, alone, together = await on_target_thread(real_stack, score)
+    setting, expected, together, filled, before, after = await on_target_thread(real_stack, score)
     if not ggml_has_amx():
         assert setting == EXACT_SETTINGS[0], f"{setting}: is the patched ggml-cpu installed? (scripts/setup.sh)"
-    assert all(torch.equal(a, b) for a, b in zip(alone, together)), "a row scores otherwise beside others"
+        assert filled == 3
+    assert all(torch.equal(a, b) for a, b in zip(expected, together)), "a row scores otherwise beside others"
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), "a filled gap changed a session's cache"
 
 
 async def test_a_transformers_draft_serves_a_llama_cpp_target(real_stack, real_baselines, tmp_path):
