@@ -245,6 +245,15 @@ def test_the_same_short_prompt_again_takes_even_its_first_token_from_the_store_b
         cached.release(session_id)
         fresh.release(f"fresh {session_id}")
     assert cached.prefix.stats().hit_tokens == 2 * len(prompt) + len(prompt) - 1
+    # A call that scores nothing there (a Prefill of the whole prompt) does not take that scored
+    # position as if prefilled: it restores the head and computes the last token itself, as before.
+    cached.sync(Cursor("prefill", 0, 0, prompt))
+    computed.clear()
+    assert cached.forward([Row("prefill", prompt, 0)])[0].shape[0] == 0
+    assert computed == [[1]] and cached.sessions["prefill"].reused == len(prompt) - 1
+    assert cached.sessions["prefill"].tokens == prompt
+    cached.release("prefill")
+    assert cached.prefix.stats().hit_tokens == 2 * len(prompt) + 2 * (len(prompt) - 1)
 
 
 def test_a_salt_keeps_one_tenants_prefixes_from_another(llama):
