@@ -362,6 +362,8 @@ def describe_device(info) -> str:
     name = f" ({info.device_name})" if info.device_name else ""
     passes = info.pass_seconds  # as measured when it loaded (model/pass_profile.py): a decode, a verify of K = 3
     scored = f"; 1 / 4 scored positions {passes[0] * 1000:.0f} / {passes[3] * 1000:.0f} ms" if len(passes) >= 4 else ""
+    if info.scored_per_call:  # llama.cpp bitwise: 63 with the patched ggml-cpu, 3 without (troubleshooting)
+        scored += f"; up to {info.scored_per_call} scored a call"
     return f"{info.role:<13} {info.device or '?'}{name}, {info.dtype}{quantized}, {memory}{scored}"
 
 

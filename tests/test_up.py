@@ -117,6 +117,18 @@ def test_specd_up_starts_its_services_with_their_share_of_the_cores(up):
     assert "OMP_WAIT_POLICY" not in up.services["orchestrator"].environ()
 
 
+def test_the_printed_line_says_how_many_positions_an_engine_call_scores_where_it_is_bounded():
+    """ModelInfo.scored_per_call (llama.cpp bitwise: 63 with the patched ggml-cpu, 3 without) is on the
+    line `specd up` prints for each service; an engine without such a bound (0) adds nothing."""
+    from specd.cli.up import describe_device
+    from specd.v1 import common_pb2
+
+    info = common_pb2.ModelInfo(role="target", device="cpu", dtype="gguf", pass_seconds=[0.027, 0.04, 0.06, 0.087])
+    assert describe_device(info).endswith("; 1 / 4 scored positions 27 / 87 ms")
+    info.scored_per_call = 63
+    assert describe_device(info).endswith("; 1 / 4 scored positions 27 / 87 ms; up to 63 scored a call")
+
+
 def test_specd_up_passes_the_devices_on_and_prints_where_each_service_computes(up):
     for role in ("draft", "target"):
         argv = " ".join(command_line(up.services[role]))
