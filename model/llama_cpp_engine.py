@@ -382,13 +382,13 @@ class LlamaCppEngine:
         """Whether a prompt's last position, scored in its opening pass, may be restored with its logits
         (SessionStore's first tokens from the cache): in `bitwise` every scored position's logits and
         KV are a decode step's whatever the call (the probe at load), and restores are exact."""
-        return self.exactness == "bitwise" and getattr(self, "prefixes_exact", False)
+        return self.exactness == "bitwise" and self.prefixes_exact
 
     def restore_scored(self, session_id: str, snapshot: "SequenceState", length: int) -> None:
         """`restore`, where the last of the `length` tokens is a position a pass scored (not a prefill's:
         it does not count as `reusable`)."""
         self.restore(session_id, snapshot, length)
-        self.canonical[session_id] = min(self.canonical[session_id], length - 1)
+        self.canonical[session_id] = length - 1
 
     def release(self, session_id: str) -> None:
         sequence = self.sequences.pop(session_id, None)

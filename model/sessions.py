@@ -216,18 +216,17 @@ class SessionStore:
         session = self.sessions[row.session_id]
         if not session.skip:
             return row
-        if session.first is not None:
-            if session.skip == len(row.tokens) - row.keep_logits + 1:  # it scores the held position first
-                return Row(row.session_id, row.tokens[session.skip :], row.keep_logits - 1)
-            # a call that does not score that position (a Prefill) computes it as it computes its others
-            session.first, session.skip = None, session.skip - 1
-            self.engine.crop(session.session_id, session.skip)
-            del session.tokens[session.skip :]
-            self.prefix.count(-1, 0)
-            session.reused = session.skip
-        skip = min(session.skip, len(row.tokens) - row.keep_logits)
-        if skip < session.skip:  # back to whole blocks: a restored tail is exact only as the head it ended
+        head = len(row.tokens) - row.keep_logits
+        if session.first is not None and session.skip == head + 1:  # it scores the held position first
+            return Row(row.session_id, row.tokens[session.skip :], row.keep_logits - 1)
+        # a position held with its logits (`first`) is not a prefill's: a call that does not score it
+        # (a Prefill) computes it as it computes its others
+        held = session.skip - (session.first is not None)
+        session.first = None
+        skip = min(held, head)
+        if skip < held:  # back to whole blocks: a restored tail is exact only as the head it ended
             skip = skip // BLOCK_TOKENS * BLOCK_TOKENS
+        if skip < session.skip:
             self.engine.crop(session.session_id, skip)
             del session.tokens[skip:]
             self.prefix.count(skip - session.reused, 0)  # fewer hit tokens, as many more computed
