@@ -32,6 +32,10 @@ class ModelDescription:
     # own (llama.cpp, bitwise: 3); None: a pass is one call. Where set, a fuller pass saves nothing
     # and only makes every first token in it later (model/scheduler.py)
     scored_per_call: int | None = None
+    # a pass runs rows of different lengths, and sessions not side by side, as parts of their own, each
+    # reading the weights again (llama.cpp with a KV stream per session): a verify among decode steps
+    # costs about a pass of its guesses (orchestrator/costs.py prices speculation under load so)
+    splits_rows: bool = False
 
 
 @dataclass(frozen=True)

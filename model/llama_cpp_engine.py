@@ -183,6 +183,7 @@ class LlamaCppEngine:
             max_sessions=sessions,
             padded=False,  # each row's own positions: calls are laid out by position, not padded
             scored_per_call=None if exactness == "batched" else self.call_tokens,
+            splits_rows=exactness != "batched",  # a KV stream per session: llama.cpp's split_equal
         )
 
     def _load(self, gguf: Path, repacked: bool, threads: int, sessions: int, session_tokens: int) -> None:

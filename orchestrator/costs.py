@@ -8,9 +8,24 @@ calls the pass that served it carried and how many positions it computed (in tra
 padded to the longest: one verify among decodes makes them all K + 1 long; in llama.cpp the calls'
 own, whose cost is per position: counted padded, a verify among 7 decodes would say 40 positions for
 12 computed, and the slope would price verifying at a third), what it cost and how many sessions the
-service holds, and the worker fits a pass's seconds as a + b·tokens over recent passes. With B
-streams (the sessions held, at least the calls per pass), every stream drafting K puts B·(K + 1)
-tokens in a pass: t_verify(K) = a + b·B·(K + 1). Where a pass
+service holds, and the worker prices a pass's seconds by its tokens on the curve the target measured when it
+loaded (ModelInfo.pass_positions: one session's 1..9, 16, 32, 64 and 128 positions), scaled by what
+recent passes cost against it (`PassCurve`). With B streams (the sessions held, at least the calls
+per pass), every stream drafting K puts B·(K + 1) tokens in a pass: t_verify(K) = pass(B·(K + 1)).
+Where the target runs a pass's rows of different lengths as parts of their own (ModelInfo.splits_rows:
+llama.cpp with a KV stream per session), a stream's verify among the others' decode steps is a part of
+K positions that reads the weights again, and all B streams wait for it: t_verify(K) = pass(B) +
+B·pass(K), so that a stream drafts only where its accepted guesses come faster than the pass's own
+tokens do. Measured on the engine (default target, 16 sessions, Zen 5): 8 verifies of 5 among 8 decode
+steps 493 ms with their seq ids side by side, 705 ms alternating, against 176 ms for the 16 decode
+steps; at 16 streams the prompt lookup's verifies (α 0.89) brought passes from 14.2 streams to 7.2
+and the stack from 67 tok/s target-only to 50.
+A target that measured no wide passes is fitted as a + b·tokens over recent passes (`PassTime`); a
+fit has no shape to go on, and under load it was measured to lose it: passes of one size (16 streams'
+decode steps) with a few slower ones among them (the draft catching up beside them, a pass split in
+several llama.cpp ubatches) drove b to 0 on the default pair at 16 streams (2 cores of an AMD EPYC
+Zen 5), so verifying K = 8 looked free and every stream drafted it (23 tok/s, against 74 target-only).
+Where a pass
 is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
 rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
 load), K shrinks and turns off, and turns back on when B falls.
@@ -30,6 +45,7 @@ TIME_WEIGHT = 0.3  # per measured call: costs follow the load within a few steps
 FLOOR_DRIFT = 0.02  # per draft call, the cheapest-guess floor creeps up: it follows a slower machine
 LOOKUP_ALPHA_PRIOR = 0.5  # prompt lookup before anything is measured: its guesses are often all or nothing
 IN_STEP_CURSOR = 2  # a draft in step is sent at most 2 tokens before its guesses (the last guess, the bonus)
+WIDE_PROFILE = 9  # a target profile of wider passes than this (positions) is priced on its curve
 AHEAD_MARGIN = 0.02  # draft ahead (auto) only where it promises to save this share of a synchronous step
 
 
@@ -81,6 +97,35 @@ class PassTime:
         return self.a + self.b * tokens
 
 
+class PassCurve:
+    """A pass's seconds by its tokens: the shape the service measured when it loaded (`points`,
+    positions -> seconds of one session, interpolated between them and extended along the last
+    segment's slope), the level from the passes it serves: each one's seconds against the shape's,
+    a running ratio (`scale`, TIME_WEIGHT a pass). One number to learn, which a few slow passes move
+    but cannot bend: the ratio of a verify's cost to a decode's stays what the engine measured."""
+
+    sloped = True  # the shape is measured: every size is priced from the first call
+
+    def __init__(self, points: Sequence[tuple[int, float]], weight: float = TIME_WEIGHT):
+        self.points = sorted(points)
+        self.scale = Ewma(weight, 1.0)
+
+    def shape(self, tokens: float) -> float:
+        """The profile's seconds for a pass of `tokens` positions."""
+        points = self.points
+        if tokens <= points[0][0]:
+            return points[0][1]
+        right = next((i for i, (n, _) in enumerate(points) if n >= tokens), len(points) - 1)
+        (n0, t0), (n1, t1) = points[right - 1], points[right]
+        return t0 + (t1 - t0) * (tokens - n0) / (n1 - n0)
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.scale.add(seconds / self.shape(tokens))
+
+    def seconds(self, tokens: float) -> float:
+        return self.scale.value * self.shape(tokens)
+
+
 @dataclass
 class ServiceCosts:
     """What the pair costs, measured on every call: one per orchestrator worker, shared by its requests."""
@@ -90,7 +135,7 @@ class ServiceCosts:
     rtt_draft: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
     rtt_target: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))
     alpha: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))
-    target_pass: PassTime = field(default_factory=PassTime)  # the target's batched passes
+    target_pass: PassTime | PassCurve = field(default_factory=PassTime)  # the target's batched passes
     target_streams: int = 1  # the load B: streams at the target, as its last pass said
     draft_forward: PassTime = field(default_factory=PassTime)  # seconds of one draft forward by rows (calls)
     draft_catchup: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT))  # seconds per token the draft catches up on
@@ -101,18 +146,29 @@ class ServiceCosts:
     bonus_match: Ewma = field(default_factory=lambda: Ewma(WORKER_ALPHA_WEIGHT, ALPHA_PRIOR))  # β: b == bonus
     ahead_slowdown: Ewma = field(default_factory=lambda: Ewma(TIME_WEIGHT, 0.0))  # a guess beside a verify / floor - 1
     shared_cores: bool = False  # told: draft and target compute on the same CPU cores (remote.py share_cores)
+    splits_rows: bool = False  # told: the target runs a verify among decode steps as a part of its own (ModelInfo)
 
-    def seed(self, draft: Sequence[float], target: Sequence[float], draft_prefill: float = 0.0) -> None:
+    def seed(
+        self,
+        draft: Sequence[float],
+        target: Sequence[float],
+        draft_prefill: float = 0.0,
+        target_positions: Sequence[int] = (),
+    ) -> None:
         """Start from what the services measured of their passes when they loaded (ModelInfo.pass_seconds,
-        model/pass_profile.py: 1, 2, ... positions of one session): the target's decode and verify of each
-        K, the fit of its passes, the draft's guess and its catch-up per token (`draft_prefill`, a
-        prompt's prefill per token; else a catch-up is priced at a guess a token, many times its cost),
-        so that a fresh worker's first steps are priced rather than explored (speculation off from the
-        first step where verifying costs as much as decoding). The calls' own measurements take over as
-        they come, TIME_WEIGHT each."""
-        for positions, seconds in enumerate(target, 1):
+        model/pass_profile.py: 1, 2, ... positions of one session, then wider passes where
+        `target_positions` says so): the target's decode and verify of each K, its pass curve (where it
+        measured wide passes, else a fit), the draft's guess and its catch-up per token
+        (`draft_prefill`, a prompt's prefill per token; else a catch-up is priced at a guess a token,
+        many times its cost), so that a fresh worker's first steps are priced rather than explored
+        (speculation off from the first step where verifying costs as much as decoding). The calls'
+        own measurements take over as they come, TIME_WEIGHT each."""
+        points = list(zip(target_positions or range(1, len(target) + 1), target))
+        for positions, seconds in points:
             self.verify_by_k[positions - 1] = Ewma(TIME_WEIGHT, seconds)
             self.target_pass.add(positions, seconds)
+        if points and max(points)[0] > WIDE_PROFILE:
+            self.target_pass = PassCurve(points)
         if draft:
             self.draft_per_token = Ewma(TIME_WEIGHT, draft[0])
             self.draft_floor = draft[0]
@@ -209,7 +265,10 @@ class ServiceCosts:
         module's docstring); else measured per K: interpolated between measured K, else extended
         along the last slope."""
         if self.target_pass.sloped:
-            return self.target_pass.seconds((self.load() if calls is None else calls) * (k + 1))
+            streams = self.load() if calls is None else calls
+            if k and self.splits_rows and streams >= 2:  # its guesses a part of their own, which all wait for
+                return self.target_pass.seconds(streams) + streams * self.target_pass.seconds(k)
+            return self.target_pass.seconds(streams * (k + 1))
         known = sorted((n, e.value) for n, e in self.verify_by_k.items())
         if not known:
             return None

@@ -131,10 +131,12 @@ class GenerationWorker:
                     draft_info.pass_seconds if draft_info else (),
                     pair.target_info.pass_seconds,
                     draft_info.prefill_seconds_per_token if draft_info else 0.0,
+                    pair.target_info.pass_positions,
                 )
                 if pair.has_draft:
                     self.draft_gates.setdefault(draft, DraftGate(self.policy))
                     costs.shared_cores = share_cores(draft, target, pair.draft_info, pair.target_info)
+                costs.splits_rows = pair.target_info.splits_rows
             return pair
 
     async def _service(self, role: str, address: str | None, timeout_s: float) -> Service | None:

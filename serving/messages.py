@@ -117,8 +117,10 @@ def model_info(service: ModelService, scheduler: Scheduler) -> common_pb2.ModelI
         prefix_cache_failures=prefixes.failures,
         prefix_cache_answers=prefixes.answers,
         pass_seconds=service.passes.seconds if service.passes else (),
+        pass_positions=service.passes.positions if service.passes else (),
         prefill_seconds_per_token=service.passes.prefill_per_token if service.passes else 0.0,
         scored_per_call=described.scored_per_call or 0,
+        splits_rows=described.splits_rows,
     )
 
 

@@ -319,8 +319,10 @@ def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf,
     batched = load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="batched")
     assert batched.call_tokens == BATCH_TOKENS and batched.exactness == "batched"
     assert batched.description.scored_per_call is None  # a pass is one call: a fuller one is cheaper per row
+    assert not batched.description.splits_rows  # one unified cache: a pass is one ubatch (costs.py prices it so)
     monkeypatch.undo()
     bitwise = llama_cpp(tiny_gguf)
+    assert bitwise.description.splits_rows  # a KV stream per session: rows of other lengths run apart
     # batched: one unified KV cache (a pass is one ubatch); bitwise: a stream of its own per session
     n_ctx_seq = llama_cpp_engine.llama.llama_n_ctx_seq
     assert n_ctx_seq(batched.context) == batched.n_ctx and n_ctx_seq(bitwise.context) < bitwise.n_ctx

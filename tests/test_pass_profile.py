@@ -13,9 +13,9 @@ from specd.deploy.roles import RoleConfig
 from specd.deploy.services import model_server
 from specd.model.engine import ModelDescription
 from specd.model.errors import CapacityExceeded
-from specd.model.pass_profile import PROFILE_POSITIONS, cached_profiles, machine, pass_profile
+from specd.model.pass_profile import PROFILE_POSITIONS, SIZES, cached_profiles, machine, pass_profile
 from specd.orchestrator.adaptive import AdaptiveK
-from specd.orchestrator.costs import ServiceCosts
+from specd.orchestrator.costs import PassCost, PassCurve, PassTime, ServiceCosts
 from specd.proto.limits import Limits
 from specd.v1 import common_pb2, target_pb2_grpc
 
@@ -23,7 +23,7 @@ from specd.v1 import common_pb2, target_pb2_grpc
 class Timed:
     """An engine whose pass costs 2 ms and 1 ms a scored position; it counts its passes."""
 
-    def __init__(self, name: str = "timed", fail: bool = False):
+    def __init__(self, name: str = "timed", fail: bool = False, widest: int = 1 << 20):
         self.description = ModelDescription(
             name=name,
             vocab_size=100,
@@ -33,10 +33,10 @@ class Timed:
             eos_token_ids=[0],
             tokenizer_fingerprint="t",
         )
-        self.fail, self.passes, self.held = fail, 0, {}
+        self.fail, self.widest, self.passes, self.held = fail, widest, 0, {}
 
     def forward(self, rows):
-        if self.fail:
+        if self.fail or sum(row.keep_logits for row in rows) > self.widest:
             raise CapacityExceeded("no room")
         self.passes += 1
         for row in rows:
@@ -56,13 +56,15 @@ def test_measured_once_then_read_from_the_cache(tmp_path, monkeypatch):
     engine = Timed()
     profile = pass_profile(engine, {"threads": 2})
     seconds = profile.seconds
-    assert len(seconds) == PROFILE_POSITIONS and engine.passes > PROFILE_POSITIONS
-    assert seconds[-1] > seconds[0] + 0.005  # 8 more positions at 1 ms each
+    assert profile.positions == SIZES and len(seconds) == len(SIZES) and engine.passes > len(SIZES)
+    assert seconds[PROFILE_POSITIONS - 1] > seconds[0] + 0.005  # 8 more positions at 1 ms each
+    assert seconds[-1] > seconds[0] + 0.1  # 128 positions: 127 more
     assert 0 < profile.prefill_per_token < seconds[0] / 10  # one 3 ms pass over 128 tokens
     assert engine.held == {}  # its session released
     again = Timed()
     kept = pass_profile(again, {"threads": 2})
     assert kept.seconds == pytest.approx(seconds) and kept.prefill_per_token == profile.prefill_per_token
+    assert kept.positions == SIZES
     assert again.passes == 0
     other = Timed()  # other settings (or another model, machine): measured anew
     pass_profile(other, {"threads": 1})
@@ -86,7 +88,17 @@ def test_a_stale_or_broken_file_is_measured_again(tmp_path, monkeypatch):
     assert engine.passes > 0
     path.write_text("{not json")
     engine = Timed()
-    assert len(pass_profile(engine).seconds) == PROFILE_POSITIONS and engine.passes > 0
+    assert len(pass_profile(engine).seconds) == len(SIZES) and engine.passes > 0
+
+
+def test_an_engine_that_cannot_score_a_wide_pass_keeps_the_narrow_profile(tmp_path, monkeypatch):
+    """A pass of 64 positions fails (an engine with a bound on one call): the profile stops at 32, and
+    the narrow sizes the first steps are priced from are all there; one that fails a narrow size
+    reports none."""
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
+    profile = pass_profile(Timed(widest=32))
+    assert profile.positions == (*range(1, PROFILE_POSITIONS + 1), 16, 32) and len(profile.seconds) == 11
+    assert pass_profile(Timed("narrow", widest=4)) is None
 
 
 def test_a_measurement_that_fails_reports_none_and_fails_nothing(tmp_path, monkeypatch):
@@ -106,9 +118,10 @@ async def test_a_served_target_reports_its_passes_in_info():
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
             info = await target_pb2_grpc.TargetServiceStub(channel).Info(common_pb2.InfoRequest())
-        assert len(info.pass_seconds) == PROFILE_POSITIONS
+        assert len(info.pass_seconds) == len(SIZES) and tuple(info.pass_positions) == SIZES
         assert info.pass_seconds[0] == pytest.approx(0.0040 + 0.00016, rel=1e-5)
         assert info.pass_seconds[8] == pytest.approx(0.0040 + 9 * 0.00016, rel=1e-5)
+        assert info.pass_seconds[-1] == pytest.approx(0.0040 + 128 * 0.00016, rel=1e-5)
         assert info.prefill_seconds_per_token == pytest.approx(0.00016, rel=1e-4)
     finally:
         await server.stop(0)
@@ -131,3 +144,70 @@ def test_a_fresh_worker_prices_its_first_step_from_the_profile():
     flat = _costs([0.03 + 0.001 * n for n in range(1, PROFILE_POSITIONS + 1)])
     assert AdaptiveK(flat, 8).next_k(64) > 0
     assert not ServiceCosts().ready() and AdaptiveK(ServiceCosts(), 8).next_k(64) == 0
+
+
+# A CPU target's curve as the default target measured it under bitwise llama.cpp (2 cores, Zen 5):
+# a decode 27 ms, 4 positions 87 ms, then about 11 ms a position as passes widen.
+CPU_CURVE = dict(zip(SIZES, (0.027, 0.047, 0.067, 0.087, 0.1, 0.112, 0.124, 0.136, 0.148, 0.19, 0.37, 0.72, 1.41)))
+
+
+def _loaded(costs: ServiceCosts, streams: int) -> ServiceCosts:
+    """`streams` streams' decode passes of 190 ms, and every fourth a narrower one that ran slow (5
+    streams' rows while the draft caught up on a prompt beside it on the same cores)."""
+    for i in range(12):
+        calls, seconds = (streams, 0.19) if i % 4 else (5, 0.6)
+        costs.record_target_pass(PassCost(calls, calls, seconds, streams), longest=9)
+    costs.alpha.value = costs.lookup_alpha.value = 0.9
+    return costs
+
+
+def test_a_loaded_cpu_target_is_priced_on_its_curve_not_a_fit_that_loses_its_slope():
+    """Passes all of one size with a few slow ones among them bend a fit of a + b·tokens flat (b = 0:
+    verifying K = 8 looks free, as the default pair's 16 streams measured); the curve keeps the
+    profile's shape, so at 16 streams speculation is off (the model's and the prompt lookup's, α 0.9)
+    and at one stream the lookup's guesses still pay."""
+    fit = ServiceCosts()
+    fit.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values())[:PROFILE_POSITIONS])
+    _loaded(fit, 16)
+    assert isinstance(fit.target_pass, PassTime) and fit.verify_seconds(8) < 1.5 * fit.verify_seconds(0)
+
+    curve = ServiceCosts()
+    curve.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    _loaded(curve, 16)
+    assert isinstance(curve.target_pass, PassCurve)
+    along = (1.41 + (144 - 128) * (1.41 - 0.72) / 64) / 0.19  # 144 positions: past the curve's end, along its slope
+    assert curve.verify_seconds(8) / curve.verify_seconds(0) == pytest.approx(along)
+    chooser = AdaptiveK(curve, 8)
+    chooser.on = True  # already speculating: no switch-on price, no margin
+    assert chooser.next_k(40) == 0 and chooser.lookup_k(40, 8, model=True) == 0
+    quiet = ServiceCosts()
+    quiet.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    quiet.lookup_alpha.value = 0.9
+    assert AdaptiveK(quiet, 8).lookup_k(40, 8, model=False) > 0
+
+
+def test_the_curve_interpolates_extends_and_scales():
+    curve = PassCurve([(1, 0.02), (9, 0.1), (16, 0.2)])
+    assert curve.seconds(1) == pytest.approx(0.02) and curve.seconds(5) == pytest.approx(0.06)
+    assert curve.seconds(30) == pytest.approx(0.2 + 14 * 0.1 / 7)  # along the last segment
+    for _ in range(30):
+        curve.add(9, 0.2)  # passes twice what the profile said: every size twice as dear
+    assert curve.seconds(16) == pytest.approx(0.4, rel=1e-3) and curve.seconds(1) == pytest.approx(0.04, rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "splits, streams, lookup_on", [(True, 4, False), (False, 4, True), (True, 1, True), (True, 2, True)]
+)
+def test_a_target_that_splits_rows_prices_a_verify_as_a_part_of_its_own(splits, streams, lookup_on):
+    """Where a verify among decode steps runs as a part of its own (llama.cpp, a KV stream per
+    session), every stream waits for that part: at 4 streams a lookup with α 0.9 no longer pays
+    (passes of 87 ms, a part of 8 guesses 136 ms), where the same curve without splits says it does;
+    alone (nothing to split from) or at 2 streams with α 0.97 it pays."""
+    costs = ServiceCosts(splits_rows=splits)
+    costs.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    costs.record_target_pass(PassCost(streams, streams, CPU_CURVE[streams], streams), longest=9)
+    costs.lookup_alpha.value = 0.9 if streams == 4 else 0.97
+    chooser = AdaptiveK(costs, 8)
+    assert (chooser.lookup_k(40, 8, model=False) > 0) is lookup_on
+    if splits and streams > 1:
+        assert costs.verify_seconds(8) == pytest.approx(CPU_CURVE[streams] + streams * CPU_CURVE[8])

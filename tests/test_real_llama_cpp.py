@@ -29,6 +29,7 @@ async def test_the_services_run_the_gguf_files(real_stack):
         assert info.dtype == "gguf" and "Q" in info.quantization and info.device == "cpu"
         assert info.max_cached_tokens == REAL_LIMITS.max_cached_tokens
         assert info.scored_per_call >= 3  # bitwise: what the probe found (63 with the patched ggml-cpu)
+        assert info.splits_rows  # a KV stream per session: a verify among decode steps is priced as a part of its own
     text = (await complete(real_stack.client, make_request(REAL_PROMPTS[0], REAL_NEW_TOKENS, ignore_eos=True))).text
     assert "return" in text or "if" in text, f"not code: {text!r}"
 

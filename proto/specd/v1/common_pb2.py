@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"k\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x06\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xb6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12;\n\nlogit_bias\x18\x08 \x03(\x0b\x32\'.specd.v1.SamplingParams.LogitBiasEntry\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\x82\x08\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1a\n\x12max_session_tokens\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x08 \x01(\x04\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x15\n\rlive_sessions\x18\x0b \x01(\r\x12\x15\n\rcached_tokens\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x0e \x01(\r\x12\x38\n\x0b\x62\x61tch_sizes\x18\x0f \x03(\x0b\x32#.specd.v1.ModelInfo.BatchSizesEntry\x12\x14\n\x0cqueued_calls\x18\x10 \x01(\r\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x13 \x01(\t\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x14 \x01(\x04\x12 \n\x18\x64\x65vice_memory_free_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x62\x61tched_tokens\x18\x16 \x01(\x04\x12\x13\n\x0bmax_q_bytes\x18\x17 \x01(\x04\x12\"\n\x1aprefix_cache_budget_tokens\x18\x18 \x01(\x04\x12\x1b\n\x13prefix_cache_tokens\x18\x19 \x01(\x04\x12\x1c\n\x14prefix_cache_entries\x18\x1a \x01(\r\x12\x1b\n\x13prefix_cache_blocks\x18\x1b \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x1c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x1d \x01(\x04\x12 \n\x18prefix_cache_miss_tokens\x18\x1e \x01(\x04\x12\x1e\n\x16prefix_cache_evictions\x18\x1f \x01(\x04\x12\x1d\n\x15prefix_cache_failures\x18  \x01(\x04\x12\x14\n\x0cpass_seconds\x18! \x03(\x02\x12!\n\x19prefill_seconds_per_token\x18\" \x01(\x02\x12\x1c\n\x14prefix_cache_answers\x18# \x01(\x04\x12\x17\n\x0fscored_per_call\x18$ \x01(\r\x1a\x31\n\x0f\x42\x61tchSizesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\r\n\x0bInfoRequest\"9\n\x0ePrefillRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\"(\n\x0fPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\r\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10TokenizerRequest\"x\n\x11TokenizerResponse\x12\x35\n\x05\x66iles\x18\x01 \x03(\x0b\x32&.specd.v1.TokenizerResponse.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15specd/v1/common.proto\x12\x08specd.v1\"k\n\rSessionCursor\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05start\x18\x02 \x01(\r\x12\x13\n\x0b\x66ingerprint\x18\x03 \x01(\x06\x12\x0e\n\x06tokens\x18\x04 \x03(\r\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"\xb6\x02\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\r\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x05 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x06 \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x07 \x01(\x02\x12;\n\nlogit_bias\x18\x08 \x03(\x0b\x32\'.specd.v1.SamplingParams.LogitBiasEntry\x12\x15\n\rprompt_tokens\x18\t \x01(\r\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seed\"\xaf\x08\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x1a\n\x12max_session_tokens\x18\x06 \x01(\r\x12\x14\n\x0cmax_sessions\x18\x07 \x01(\r\x12\x19\n\x11max_cached_tokens\x18\x08 \x01(\x04\x12\x18\n\x10max_draft_tokens\x18\t \x01(\r\x12\x15\n\reos_token_ids\x18\n \x03(\r\x12\x15\n\rlive_sessions\x18\x0b \x01(\r\x12\x15\n\rcached_tokens\x18\x0c \x01(\x04\x12\x16\n\x0emax_batch_size\x18\r \x01(\r\x12\x18\n\x10max_batch_tokens\x18\x0e \x01(\r\x12\x38\n\x0b\x62\x61tch_sizes\x18\x0f \x03(\x0b\x32#.specd.v1.ModelInfo.BatchSizesEntry\x12\x14\n\x0cqueued_calls\x18\x10 \x01(\r\x12\x14\n\x0cquantization\x18\x11 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x12 \x01(\t\x12\x13\n\x0b\x64\x65vice_name\x18\x13 \x01(\t\x12!\n\x19\x64\x65vice_memory_total_bytes\x18\x14 \x01(\x04\x12 \n\x18\x64\x65vice_memory_free_bytes\x18\x15 \x01(\x04\x12\x16\n\x0e\x62\x61tched_tokens\x18\x16 \x01(\x04\x12\x13\n\x0bmax_q_bytes\x18\x17 \x01(\x04\x12\"\n\x1aprefix_cache_budget_tokens\x18\x18 \x01(\x04\x12\x1b\n\x13prefix_cache_tokens\x18\x19 \x01(\x04\x12\x1c\n\x14prefix_cache_entries\x18\x1a \x01(\r\x12\x1b\n\x13prefix_cache_blocks\x18\x1b \x01(\x04\x12\x1a\n\x12prefix_cache_bytes\x18\x1c \x01(\x04\x12\x1f\n\x17prefix_cache_hit_tokens\x18\x1d \x01(\x04\x12 \n\x18prefix_cache_miss_tokens\x18\x1e \x01(\x04\x12\x1e\n\x16prefix_cache_evictions\x18\x1f \x01(\x04\x12\x1d\n\x15prefix_cache_failures\x18  \x01(\x04\x12\x14\n\x0cpass_seconds\x18! \x03(\x02\x12!\n\x19prefill_seconds_per_token\x18\" \x01(\x02\x12\x1c\n\x14prefix_cache_answers\x18# \x01(\x04\x12\x17\n\x0fscored_per_call\x18$ \x01(\r\x12\x16\n\x0epass_positions\x18% \x03(\r\x12\x13\n\x0bsplits_rows\x18& \x01(\x08\x1a\x31\n\x0f\x42\x61tchSizesEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\r\n\x0bInfoRequest\"9\n\x0ePrefillRequest\x12\'\n\x06\x63ursor\x18\x01 \x01(\x0b\x32\x17.specd.v1.SessionCursor\"(\n\x0fPrefillResponse\x12\x15\n\rcached_tokens\x18\x01 \x01(\r\"7\n\x0eReleaseRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x11\n\tcommitted\x18\x02 \x03(\r\"#\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x08\"\x12\n\x10TokenizerRequest\"x\n\x11TokenizerResponse\x12\x35\n\x05\x66iles\x18\x01 \x03(\x0b\x32&.specd.v1.TokenizerResponse.FilesEntry\x1a,\n\nFilesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x0c:\x02\x38\x01\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,25 +44,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=398
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=446
   _globals['_MODELINFO']._serialized_start=458
-  _globals['_MODELINFO']._serialized_end=1484
-  _globals['_MODELINFO_BATCHSIZESENTRY']._serialized_start=1435
-  _globals['_MODELINFO_BATCHSIZESENTRY']._serialized_end=1484
-  _globals['_INFOREQUEST']._serialized_start=1486
-  _globals['_INFOREQUEST']._serialized_end=1499
-  _globals['_PREFILLREQUEST']._serialized_start=1501
-  _globals['_PREFILLREQUEST']._serialized_end=1558
-  _globals['_PREFILLRESPONSE']._serialized_start=1560
-  _globals['_PREFILLRESPONSE']._serialized_end=1600
-  _globals['_RELEASEREQUEST']._serialized_start=1602
-  _globals['_RELEASEREQUEST']._serialized_end=1657
-  _globals['_RELEASERESPONSE']._serialized_start=1659
-  _globals['_RELEASERESPONSE']._serialized_end=1694
-  _globals['_TOKENIZERREQUEST']._serialized_start=1696
-  _globals['_TOKENIZERREQUEST']._serialized_end=1714
-  _globals['_TOKENIZERRESPONSE']._serialized_start=1716
-  _globals['_TOKENIZERRESPONSE']._serialized_end=1836
-  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_start=1792
-  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_end=1836
-  _globals['_TOPLOGPROBS']._serialized_start=1838
-  _globals['_TOPLOGPROBS']._serialized_end=1888
+  _globals['_MODELINFO']._serialized_end=1529
+  _globals['_MODELINFO_BATCHSIZESENTRY']._serialized_start=1480
+  _globals['_MODELINFO_BATCHSIZESENTRY']._serialized_end=1529
+  _globals['_INFOREQUEST']._serialized_start=1531
+  _globals['_INFOREQUEST']._serialized_end=1544
+  _globals['_PREFILLREQUEST']._serialized_start=1546
+  _globals['_PREFILLREQUEST']._serialized_end=1603
+  _globals['_PREFILLRESPONSE']._serialized_start=1605
+  _globals['_PREFILLRESPONSE']._serialized_end=1645
+  _globals['_RELEASEREQUEST']._serialized_start=1647
+  _globals['_RELEASEREQUEST']._serialized_end=1702
+  _globals['_RELEASERESPONSE']._serialized_start=1704
+  _globals['_RELEASERESPONSE']._serialized_end=1739
+  _globals['_TOKENIZERREQUEST']._serialized_start=1741
+  _globals['_TOKENIZERREQUEST']._serialized_end=1759
+  _globals['_TOKENIZERRESPONSE']._serialized_start=1761
+  _globals['_TOKENIZERRESPONSE']._serialized_end=1881
+  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_start=1837
+  _globals['_TOKENIZERRESPONSE_FILESENTRY']._serialized_end=1881
+  _globals['_TOPLOGPROBS']._serialized_start=1883
+  _globals['_TOPLOGPROBS']._serialized_end=1933
 # @@protoc_insertion_point(module_scope)
