@@ -153,3 +153,21 @@ async def test_the_orchestrator_decodes_in_runs_and_the_output_stays(services, d
         assert stats.steps == 9 and len(stats.draft_lengths) == 9  # a run is one step
     else:  # every target-only step but the last (the budget's last token) is a run
         assert all(step > 1 for step in steps[2:-1])
+
+
+@pytest.mark.parametrize("streams, run", [(1, 1), (4, 6)])
+def test_a_lookup_passed_over_shortens_the_run_only_when_alone(streams, run, monkeypatch):
+    """Where the prompt lookup had guesses and they were not worth verifying, a lone stream asks for
+    one token (the lookup looks again after it: alone, its guesses often pay); under load its
+    guesses are priced for the others' waiting too and rarely pay, so the stream keeps its run
+    rather than paying a round trip a token (measured beside --no-speculation at 2-8 streams)."""
+    monkeypatch.setattr(adaptive, "MAX_DECODE_RUN", 6)
+    costs = adaptive.ServiceCosts()
+    costs.seed([], [0.01] * 9)
+    costs.target_streams = streams
+    request = GenerationRequest(list(PROMPT), 40, drafter="suffix")
+    generation = Generation(request, None, None, Tokenless(), set(), costs=costs)
+    generation.stats.steps, generation.lookup_offered = 3, True
+    assert generation.run_options().get("steps", 1) == run
+    generation.lookup_offered = False
+    assert generation.run_options()["steps"] == 6
