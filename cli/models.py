@@ -78,16 +78,17 @@ def _print_profiles() -> None:
     profiles = cached_profiles()
     here = machine()
     table = Table(title=f"passes measured on this machine ({here['cpu']}, {here['cores']} cores)")
-    for column in ("model", "engine", "ms: 1 / 4 / 9 scored", "9 / 1"):
+    for column in ("model", "engine", "ms: 1 / 4 / 9 scored", "9 / 1", "ms: 16 / 128 (a loaded pass)"):
         table.add_column(column, no_wrap=column != "model")
     for profile in profiles:
-        key, seconds = profile["key"], profile["seconds"]
+        key, seconds = profile["key"], dict(zip(profile["positions"], profile["seconds"]))
         exactness = key["settings"].get("exactness", "")
         table.add_row(
             key["model"][0],
             f"{key['engine'].removesuffix('Engine')} {exactness}".strip(),
-            " / ".join(f"{seconds[n - 1] * 1000:.0f}" for n in (1, 4, 9)),
-            f"{seconds[8] / seconds[0]:.1f}×",
+            " / ".join(f"{seconds[n] * 1000:.0f}" for n in (1, 4, 9)),
+            f"{seconds[9] / seconds[1]:.1f}×",
+            " / ".join(f"{seconds[n] * 1000:.0f}" if n in seconds else "-" for n in (16, 128)),
         )
     table.caption = (
         "measured by each service when it first loaded the model here (profiles/ in the cache); "

@@ -8,27 +8,28 @@ calls the pass that served it carried and how many positions it computed (in tra
 padded to the longest: one verify among decodes makes them all K + 1 long; in llama.cpp the calls'
 own, whose cost is per position: counted padded, a verify among 7 decodes would say 40 positions for
 12 computed, and the slope would price verifying at a third), what it cost and how many sessions the
-service holds, and the worker prices a pass's seconds by its tokens on the curve the target measured when it
+service holds. The worker prices a pass by its positions on the curve the target measured when it
 loaded (ModelInfo.pass_positions: one session's 1..9, 16, 32, 64 and 128 positions), scaled by what
-recent passes cost against it (`PassCurve`). With B streams (the sessions held, at least the calls
-per pass), every stream drafting K puts B·(K + 1) tokens in a pass: t_verify(K) = pass(B·(K + 1)).
+its recent passes cost against that curve (`PassCurve`). With B streams (the sessions held, at least
+the calls per pass), every stream drafting K puts B·(K + 1) positions in a pass: t_verify(K) =
+pass(B·(K + 1)). Where a pass is dominated by reading the weights (a flat curve: a GPU, or a CPU at
+small B), verifying K rides almost free and K stays high; where it is dominated by compute (a CPU
+under load), K shrinks and turns off, and turns back on when B falls.
+
 Where the target runs a pass's rows of different lengths as parts of their own (ModelInfo.splits_rows:
-llama.cpp with a KV stream per session), a stream's verify among the others' decode steps is a part of
-K positions that reads the weights again, and all B streams wait for it: t_verify(K) = pass(B) +
-B·pass(K), so that a stream drafts only where its accepted guesses come faster than the pass's own
-tokens do. Measured on the engine (default target, 16 sessions, Zen 5): 8 verifies of 5 among 8 decode
-steps 493 ms with their seq ids side by side, 705 ms alternating, against 176 ms for the 16 decode
-steps; at 16 streams the prompt lookup's verifies (α 0.89) brought passes from 14.2 streams to 7.2
-and the stack from 67 tok/s target-only to 50.
-A target that measured no wide passes is fitted as a + b·tokens over recent passes (`PassTime`); a
-fit has no shape to go on, and under load it was measured to lose it: passes of one size (16 streams'
-decode steps) with a few slower ones among them (the draft catching up beside them, a pass split in
-several llama.cpp ubatches) drove b to 0 on the default pair at 16 streams (2 cores of an AMD EPYC
-Zen 5), so verifying K = 8 looked free and every stream drafted it (23 tok/s, against 74 target-only).
-Where a pass
-is dominated by reading the weights (b·tokens ≪ a: a GPU, or a CPU at small B), verifying K
-rides almost free and K stays high; where it is dominated by compute (b·B large: a CPU under
-load), K shrinks and turns off, and turns back on when B falls.
+llama.cpp with a KV stream per session), a stream's verify among the others' decode steps is a part
+of K positions that reads the weights again, and all B streams wait for it: t_verify(K) = pass(B) +
+B·pass(K), so a stream drafts only where its accepted guesses come faster than the pass's own tokens.
+Measured on the engine (default target, 16 sessions, 2 cores of an AMD EPYC Zen 5): 8 verifies of 5
+among 8 decode steps 493 ms with their seq ids side by side, 705 ms alternating, against 176 ms for
+the 16 decode steps; priced as one pass of B·(K + 1) positions, the prompt lookup's verifies (α 0.89)
+took passes at 16 streams from 14.2 streams to 7.2 and the stack from 67 tok/s target-only to 50.
+
+A target that measured no wide passes (an older service) is fitted as a + b·tokens over recent passes
+(`PassTime`). A fit has no shape to go on, and under load it was measured to lose it: passes nearly all
+of one size (16 streams' decode steps) with a few slower narrow ones among them (the draft catching
+up beside them) drove b to 0 on the default pair at 16 streams, so verifying K = 8 looked free and
+every stream drafted it (23 tok/s, against 74 target-only).
 """
 
 from __future__ import annotations

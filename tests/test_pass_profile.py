@@ -3,6 +3,7 @@ model and settings, then read from the cache; never failing a load; reported in 
 orchestrator's first steps priced from it (orchestrator/costs.py ServiceCosts.seed)."""
 
 import json
+import re
 import time
 
 import grpc
@@ -211,3 +212,16 @@ def test_a_target_that_splits_rows_prices_a_verify_as_a_part_of_its_own(splits, 
     assert (chooser.lookup_k(40, 8, model=False) > 0) is lookup_on
     if splits and streams > 1:
         assert costs.verify_seconds(8) == pytest.approx(CPU_CURVE[streams] + streams * CPU_CURVE[8])
+
+
+def test_models_list_shows_what_a_loaded_pass_costs(tmp_path, monkeypatch, capsys):
+    """`specd models list`: each profile's 1 / 4 / 9 scored positions and its 16 / 128-position passes."""
+    monkeypatch.setenv("SPECD_CACHE", str(tmp_path))
+    monkeypatch.setenv("COLUMNS", "200")
+    pass_profile(Timed())
+    from specd.cli.models import _print_profiles
+
+    _print_profiles()
+    row = next(line for line in capsys.readouterr().out.splitlines() if "timed" in line)
+    widths = [int(ms) for ms in re.findall(r"(\d+) / (\d+)\s*│?\s*$", row.rstrip(" │"))[0]]
+    assert 16 <= widths[0] < widths[1] and widths[1] >= 128  # 2 ms and 1 ms a position: 18 and 130
