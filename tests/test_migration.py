@@ -75,8 +75,12 @@ async def test_a_replica_killed_mid_run_loses_no_request_and_changes_no_token(po
     faulted = asyncio.create_task(run(client, 32))
     while max(replica.load for replica in router.replicas.values()) < 2:  # wait until requests run everywhere
         await asyncio.sleep(0.01)
-    await asyncio.sleep(0.3)  # and have streamed some of their tokens
     victim = max(router.replicas.values(), key=lambda replica: replica.load).name
+    held = targets[addresses.index(victim)].thread.service.engine.kv  # its sessions' tokens
+    for _ in range(1000):  # and until one of its requests has streamed tokens (a prompt is under 20)
+        if max(map(len, list(held.values())), default=0) > 40:
+            break
+        await asyncio.sleep(0.01)
     await targets[addresses.index(victim)].stop(0)  # its calls in flight fail, new ones are refused
     replies = await faulted
 
