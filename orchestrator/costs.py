@@ -167,9 +167,11 @@ class ServiceCosts:
         points = list(zip(target_positions or range(1, len(target) + 1), target))
         for positions, seconds in points:
             self.verify_by_k[positions - 1] = Ewma(TIME_WEIGHT, seconds)
-            self.target_pass.add(positions, seconds)
         if points and max(points)[0] > WIDE_PROFILE:
             self.target_pass = PassCurve(points)
+        else:
+            for positions, seconds in points:
+                self.target_pass.add(positions, seconds)
         if draft:
             self.draft_per_token = Ewma(TIME_WEIGHT, draft[0])
             self.draft_floor = draft[0]

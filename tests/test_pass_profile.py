@@ -152,6 +152,13 @@ def test_a_fresh_worker_prices_its_first_step_from_the_profile():
 CPU_CURVE = dict(zip(SIZES, (0.027, 0.047, 0.067, 0.087, 0.1, 0.112, 0.124, 0.136, 0.148, 0.19, 0.37, 0.72, 1.41)))
 
 
+def _curved(**told) -> ServiceCosts:
+    """A worker's costs seeded from CPU_CURVE, wide passes and all (`told`: ServiceCosts fields)."""
+    costs = ServiceCosts(**told)
+    costs.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    return costs
+
+
 def _loaded(costs: ServiceCosts, streams: int) -> ServiceCosts:
     """`streams` streams' decode passes of 190 ms, and every fourth a narrower one that ran slow (5
     streams' rows while the draft caught up on a prompt beside it on the same cores)."""
@@ -172,17 +179,14 @@ def test_a_loaded_cpu_target_is_priced_on_its_curve_not_a_fit_that_loses_its_slo
     _loaded(fit, 16)
     assert isinstance(fit.target_pass, PassTime) and fit.verify_seconds(8) < 1.5 * fit.verify_seconds(0)
 
-    curve = ServiceCosts()
-    curve.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
-    _loaded(curve, 16)
+    curve = _loaded(_curved(), 16)
     assert isinstance(curve.target_pass, PassCurve)
     along = (1.41 + (144 - 128) * (1.41 - 0.72) / 64) / 0.19  # 144 positions: past the curve's end, along its slope
     assert curve.verify_seconds(8) / curve.verify_seconds(0) == pytest.approx(along)
     chooser = AdaptiveK(curve, 8)
     chooser.on = True  # already speculating: no switch-on price, no margin
     assert chooser.next_k(40) == 0 and chooser.lookup_k(40, 8, model=True) == 0
-    quiet = ServiceCosts()
-    quiet.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    quiet = _curved()
     quiet.lookup_alpha.value = 0.9
     assert AdaptiveK(quiet, 8).lookup_k(40, 8, model=False) > 0
 
@@ -204,8 +208,7 @@ def test_a_target_that_splits_rows_prices_a_verify_as_a_part_of_its_own(splits, 
     session), every stream waits for that part: at 4 streams a lookup with α 0.9 no longer pays
     (passes of 87 ms, a part of 8 guesses 136 ms), where the same curve without splits says it does;
     alone (nothing to split from) or at 2 streams with α 0.97 it pays."""
-    costs = ServiceCosts(splits_rows=splits)
-    costs.seed([0.02] * PROFILE_POSITIONS, list(CPU_CURVE.values()), 0.001, list(CPU_CURVE))
+    costs = _curved(splits_rows=splits)
     costs.record_target_pass(PassCost(streams, streams, CPU_CURVE[streams], streams), longest=9)
     costs.lookup_alpha.value = 0.9 if streams == 4 else 0.97
     chooser = AdaptiveK(costs, 8)
