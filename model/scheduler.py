@@ -16,10 +16,12 @@ whose first token the client waits for) runs before older calls, unless the olde
 `opening_first_s`: a stream that has its first token loses a pass's time, one that waits for it gains
 the queue's, as vLLM's scheduler puts prefills first. A kept answer (model/sessions.py keep_answer)
 counts as one: the next turn's opening call, queued after it, would otherwise compute it itself.
-On an engine that scores a pass in calls of a few positions (llama.cpp, bitwise: 3), a fuller pass
-saves nothing, so there opening calls share a pass only with each other, that many at a time: 16
-requests sent at once get their first tokens a call apart, not all after one 16-row pass (and not
-after the decode rows an opening pass used to take along).
+On an engine that scores a pass in calls of a few positions (llama.cpp bitwise on a stock ggml-cpu: 3),
+a fuller pass saves nothing, so there opening calls share a pass only with each other, that many at a
+time: 16 requests sent at once get their first tokens a call apart, not all after one 16-row pass.
+Where one call scores a whole pass's calls (the patched ggml-cpu: 63), an opening's scored position
+rides in the decode steps' call and saves a pass of its own (its prompt's prefill runs in calls of its
+own either way: model/llama_cpp_engine.py).
 
 How long that moment is: `batch_wait_s` at least, and up to a quarter of the last pass's seconds
 (`return_wait_share`). A stream that misses a pass runs in a pass of its own later, which reads the
@@ -159,13 +161,15 @@ class Scheduler:
 
     def _take_batch(self) -> list[Job]:
         """The next job (`_first`), plus the others that can share its pass (called under the lock).
-        On an engine that scores a pass in calls of a few positions (`scored_per_call`), a fuller pass
-        computes nothing cheaper, so calls that open requests share passes only with each other, that
-        many at most: their first tokens come a few calls apart, not all after everyone's."""
+        On an engine that scores a pass in calls of a few positions (`scored_per_call`, fewer than a
+        pass's calls), a fuller pass computes nothing cheaper, so calls that open requests share passes
+        only with each other, that many at most: their first tokens come a few calls apart, not all
+        after everyone's."""
         first = self._first()
         if first.kind is None or self._cost(first) > self.bounds.max_shared_call_tokens:
             return [first]
-        most, apart = self.bounds.max_batch_size, self.scored_per_call is not None
+        most = self.bounds.max_batch_size
+        apart = self.scored_per_call is not None and self.scored_per_call < most
         if apart and first.opens:
             most = min(most, self.scored_per_call)
         batch, tokens, sessions = [first], first.cost, {first.session_id}

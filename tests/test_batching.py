@@ -394,8 +394,10 @@ def test_on_an_engine_that_scores_a_few_positions_a_call_openings_share_passes_o
     """Issue 50: llama.cpp's exact calls score at most 3 positions (ModelDescription.scored_per_call),
     so a fuller pass costs the sum of its rows and only delays every first token in it: calls that open
     requests go 3 to a pass, without the decode steps, which then share one pass as before. On an
-    engine without that bound the opening pass takes the decode steps along."""
-    for scored_per_call, expected in ((3, [[0], [3, 4, 5], [6], [1, 2]]), (None, [[0], [3, 1, 2, 4, 5, 6]])):
+    engine without that bound, or whose calls score a whole pass (the patched ggml-cpu: 63), the
+    opening pass takes the decode steps along."""
+    joined = [[0], [3, 1, 2, 4, 5, 6]]
+    for scored_per_call, expected in ((3, [[0], [3, 4, 5], [6], [1, 2]]), (None, joined), (63, joined)):
         passes, gate = [], threading.Event()
         scheduler = Scheduler(Bounds(max_batch_size=8))
         scheduler.scored_per_call = scored_per_call
