@@ -51,7 +51,10 @@ cuts with `split_simple`: a pass is one ubatch whatever seq ids its sessions hav
 positions each row scores, where a stream per session would split it at every gap in the seq ids and
 every change of row length (split_equal above). Measured on Zen 5 (family 26), 2 cores, the default
 prompts at 4 / 8 / 16 streams (docs/performance/under-load.md): 42.3 / 48.9 / 58.7 tok/s with a stream
-per session, 61.5 / 47.5 / 75.3 unified. In both modes a new session takes the lowest free seq id
+per session, 61.5 / 47.5 / 75.3 unified. A new session's prompt runs in that ubatch too (continuous
+batching, as llama-server's), not in prefill calls of its own: at 16 streams (48 tokens each, prompts
+of ~39 tokens that never repeat) 54.9 tok/s, where bitwise, whose prompts take ubatches of their own
+whatever the call, made 43.7; the prefix cache then keeps what such passes computed. In both modes a new session takes the lowest free seq id
 and a pass's kept positions go in seq-id order, so consecutive sessions share a ubatch (split_equal above);
 in `bitwise`, a gap of one or two seq ids between a scored call's sessions is filled with a token each,
 removed after the call (`GAP_FILL`), so a pass that carries 10 or 12 of 16 streams is one ubatch too.
@@ -160,7 +163,9 @@ class LlamaCppEngine:
                 self._load(gguf, False, threads, sessions, session_tokens)
                 self.repacked, self.call_tokens = False, 1
             EXACT_FOUND[probed] = self.repacked, self.call_tokens
-        self.prefixes_exact = self._prefix_exact()
+        # batched: a prompt is prefilled among the pass's other rows (`_calls`), so no two prefills
+        # of it round alike and a restored prefix is as good as any (llama-server's prompt cache)
+        self.prefixes_exact = exactness == "batched" or self._prefix_exact()
         weights = "repacked" if self.repacked else "plain"
         log.info(
             "%s: %s weights, at most %d scored positions per llama_decode call (--exactness %s)",
@@ -245,7 +250,8 @@ class LlamaCppEngine:
         out = [np.empty((row.keep_logits, self.vocab_size), dtype=np.float32) for row in rows]
         try:
             sequences = [self.sequences[row.session_id] for row in rows]
-            for call in _calls(rows, starts, self.call_tokens, sequences, self.boundaries):
+            mixed = self.exactness == "batched"
+            for call in _calls(rows, starts, self.call_tokens, sequences, self.boundaries, mixed):
                 scored = all(offset >= len(rows[i].tokens) - rows[i].keep_logits for i, offset in call)
                 fill = self._fillers({sequences[i] for i, _ in call}, set(sequences), len(call)) if scored else []
                 self._decode(rows, starts, out, call, fill)
@@ -259,7 +265,8 @@ class LlamaCppEngine:
             self.lengths[row.session_id] = start + len(row.tokens)
             head_end = start + len(row.tokens) - row.keep_logits  # prefilled in the canonical calls (_calls)
             first = row.tokens[0] if row.tokens else -1
-            if self.canonical[row.session_id] == start and starts_call(start, first, self.boundaries):
+            canonical = self.exactness == "batched" or starts_call(start, first, self.boundaries)
+            if self.canonical[row.session_id] == start and canonical:
                 self.canonical[row.session_id] = head_end  # a fresh prefill of this head makes these calls
         return [torch.from_numpy(logits) for logits in out]
 
@@ -350,7 +357,8 @@ class LlamaCppEngine:
         cut right after it) runs it; restoring them is bit for bit that prefill. Checked at load
         (`_prefix_exact`): none where it fails. Tokens a pass kept logits for (decode steps, verifies)
         never count: they ran through the one-row kernels, which round otherwise than a prefill's
-        matmuls. A crop inside the head keeps its whole blocks only."""
+        matmuls. A crop inside the head keeps its whole blocks only. `batched` promises no bit of
+        this: there every head counts (a prompt ran among other rows, rounding as their pass had it)."""
         return self.canonical.get(session_id, 0) if getattr(self, "prefixes_exact", True) else 0
 
     def snapshot(self, session_id: str, length: int) -> "SequenceState":
@@ -413,22 +421,33 @@ class SequenceState:
 
 
 def _calls(
-    rows: list[Row], starts: list[int], call_tokens: int, sequences: list[int], boundaries: frozenset[int]
+    rows: list[Row],
+    starts: list[int],
+    call_tokens: int,
+    sequences: list[int],
+    boundaries: frozenset[int],
+    mixed: bool = False,
 ) -> list[list[tuple[int, int]]]:
-    """The pass's llama_decode calls, as (row index, offset) positions: first each row's tokens
+    """The pass's llama_decode calls, as (row index, offset) positions. `mixed` (batched): every
+    position of every row, rows in seq-id order, in calls of `call_tokens`: prompts and decode steps
+    in one ubatch, as llama-server's continuous batching runs them. Else (bitwise): first each row's tokens
     before the ones it keeps logits for (a prefill, a catch-up), in calls of their own cut at every
     PREFILL_BLOCK-th position of the session and before every end-of-turn token (`prefill_cuts`), so a
     call is the same whichever cut the prefill started from (a restored prefix, token 0); then the
     kept positions of every row together in calls of `call_tokens`, in the order of the rows' seq ids
     (`sequences`): llama.cpp puts sequences in one ubatch only while their seq ids rise by one
     (`split_equal`), else it runs the call as several graphs."""
+    order = sorted(range(len(rows)), key=sequences.__getitem__)
+    if mixed:
+        every = [(index, offset) for index in order for offset in range(len(rows[index].tokens))]
+        return [every[start : start + call_tokens] for start in range(0, len(every), call_tokens)]
     calls = []
     for index, (row, start) in enumerate(zip(rows, starts)):
         cuts = prefill_cuts(row.tokens, start, len(row.tokens) - row.keep_logits, boundaries)
         calls += [[(index, offset) for offset in range(a, b)] for a, b in zip(cuts, cuts[1:]) if b > a]
     kept = [
         (index, offset)
-        for index in sorted(range(len(rows)), key=sequences.__getitem__)
+        for index in order
         for offset in range(len(rows[index].tokens) - rows[index].keep_logits, len(rows[index].tokens))
     ]
     return calls + [kept[start : start + call_tokens] for start in range(0, len(kept), call_tokens)]

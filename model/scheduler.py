@@ -5,8 +5,9 @@ All model work runs on one thread (torch must not block the event loop, and a se
 never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
 the oldest call and, if that call batches, every later waiting call of the same kind that
 fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
-was waiting at that moment (a call of many new tokens, such as a prefill, runs alone: a padded
-pass pays every row's length as the longest's); before it starts, it gives the sessions the last pass served a
+was waiting at that moment (on an engine that pads, a call of many new tokens, such as a prefill,
+runs alone: a padded pass pays every row's length as the longest's; an unpadded one takes it along,
+up to the pass's token bound); before it starts, it gives the sessions the last pass served a
 moment to come back, so streams that alternate fall into step and share passes. The
 oldest call always runs next, so nothing starves: a call waits at most for the passes of the
 calls that were queued before it.
@@ -79,8 +80,9 @@ class Bounds:
     max_batch_tokens: int = 256  # new tokens in one pass (the oldest call runs even if larger)
     batch_wait_s: float = 0.01  # how long a pass may wait for the sessions the last one served, at least
     return_wait_share: float = 0.25  # ... and up to this share of the last batched pass's seconds
-    # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own: a padded
-    # pass computes every row as long as its longest (model/batch.py).
+    # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own where the
+    # engine pads (a padded pass computes every row as long as its longest: model/batch.py); an
+    # unpadded engine's pass takes it along up to max_batch_tokens (llama.cpp batched: one ubatch).
     max_shared_call_tokens: int = 32
     opening_first_s: float = 0.5  # a call that opens a request runs first unless the oldest has waited this long
 
@@ -166,7 +168,8 @@ class Scheduler:
         only with each other, that many at most: their first tokens come a few calls apart, not all
         after everyone's."""
         first = self._first()
-        if first.kind is None or self._cost(first) > self.bounds.max_shared_call_tokens:
+        shared = self.bounds.max_shared_call_tokens if self.padded else self.bounds.max_batch_tokens
+        if first.kind is None or self._cost(first) > shared:
             return [first]
         most = self.bounds.max_batch_size
         apart = self.scored_per_call is not None and self.scored_per_call < most
@@ -179,7 +182,7 @@ class Scheduler:
             if job.kind != first.kind or job.session_id in sessions or (apart and job.opens != first.opens):
                 continue
             cost = self._cost(job)
-            if tokens + cost <= self.bounds.max_batch_tokens and cost <= self.bounds.max_shared_call_tokens:
+            if tokens + cost <= self.bounds.max_batch_tokens and cost <= shared:
                 self.queue.remove(job)
                 batch.append(job)
                 tokens += job.cost

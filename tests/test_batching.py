@@ -195,6 +195,24 @@ def test_a_long_call_runs_in_a_pass_of_its_own():
     scheduler.close()
 
 
+def test_on_an_unpadded_engine_a_long_call_shares_the_pass_up_to_its_token_bound():
+    """Issue 50: an unpadded pass computes each call's own tokens (llama.cpp batched: one ubatch for a
+    prompt and the decode steps beside it, as continuous batching runs them), so a prefill-sized call
+    shares the pass up to max_batch_tokens; a call past the bound still runs alone."""
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8, max_batch_tokens=150, max_shared_call_tokens=32))
+    scheduler.padded = False
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    verify = run_recording(passes)
+    costs = {1: 1, 2: 100, 3: 6, 4: 200, 5: 33, 6: 20}
+    futures = [scheduler.submit(Job(verify, i, kind="verify", cost=c, session_id=f"s{i}")) for i, c in costs.items()]
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50, 60] and blocker.result(5) == 0
+    assert passes == [[0], [1, 2, 3, 5], [4], [6]]  # 140 tokens; 200 alone; 6 did not fit beside the 140
+    scheduler.close()
+
+
 def test_a_call_that_opens_a_request_runs_before_older_calls_until_the_oldest_has_waited_too_long():
     """Issue 50: a request's first call (a cursor from token 0) goes before decode steps queued before
     it, taking the waiting steps of its kind into its pass; once the oldest call has waited
@@ -419,8 +437,8 @@ def test_a_call_that_opens_a_request_is_priced_at_what_the_prefix_cache_leaves_i
     is taken (Scheduler.costing, serving/thread.py), so cached openings share passes like any short
     call, and their pass reports what it computed. A costing that fails leaves the submitted cost."""
     passes, gate = [], threading.Event()
-    scheduler = Scheduler(Bounds(max_batch_size=8, max_shared_call_tokens=32))
-    scheduler.padded, scheduler.scored_per_call = False, 3
+    scheduler = Scheduler(Bounds(max_batch_size=8, max_batch_tokens=150, max_shared_call_tokens=32))
+    scheduler.padded, scheduler.scored_per_call = False, 3  # unpadded: 150 tokens share no pass of 150
     held = {"s1": 149, "s2": 149, "s3": 0, "s4": 149}
     scheduler.costing = lambda job: job.cost - held[job.session_id] if job.session_id != "s5" else 1 / 0
     blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))

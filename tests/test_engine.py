@@ -313,8 +313,9 @@ def test_llama_cpp_sessions_beyond_its_sequences_are_refused_and_released_ids_ar
 
 def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf, monkeypatch):
     """--exactness batched: no probe at load, a unified KV cache, every kept position of a pass in one
-    llama_decode call (the prompts before them in calls of their own, as bitwise), scores within a float's rounding of
-    the bitwise engine's and the same argmax; a bad value is refused before anything loads."""
+    llama_decode call, a new session's prompt among them (continuous batching: one ubatch), scores within a float's
+    rounding of the bitwise engine's and the same argmax, and counts the prompt as reusable for the prefix cache;
+    a bad value is refused before anything loads."""
     monkeypatch.setattr(LlamaCppEngine, "_exact", lambda engine: pytest.fail("batched runs no exactness probe"))
     batched = load_engine("target", str(tiny_gguf["target"]), engine="llama.cpp", exactness="batched")
     assert batched.call_tokens == BATCH_TOKENS and batched.exactness == "batched"
@@ -332,9 +333,10 @@ def test_llama_cpp_batched_scores_a_pass_in_one_call_close_to_bitwise(tiny_gguf,
     calls = []
     decode = LlamaCppEngine._decode
     monkeypatch.setattr(LlamaCppEngine, "_decode", lambda engine, *args: calls.append(args[3]) or decode(engine, *args))
-    rows = [Row("s2", [5, 6, 7], 3), Row("s0", [8], 1), Row("s1", [9, 10], 2)]
+    rows = [Row("s2", [5, 6, 7], 3), Row("s0", [8], 1), Row("s1", [9, 10], 2), Row("new", PROMPTS[0], 1)]
     scored = batched.forward(rows)
-    assert len(calls) == 1 and len(calls[0]) == 6  # 3 + 1 + 2 positions, one call
+    assert len(calls) == 1 and len(calls[0]) == 6 + len(PROMPTS[0])  # 3 + 1 + 2 positions and a prompt, one call
+    assert batched.reusable("new") == len(PROMPTS[0]) - 1  # its head: all but the scored position
     for actual, expected in zip(scored, bitwise.forward(rows)):
         torch.testing.assert_close(actual, expected, atol=2e-3, rtol=0)
         assert torch.equal(actual.argmax(-1), expected.argmax(-1))
@@ -360,6 +362,9 @@ def test_llama_cpp_seq_ids_stay_compact_and_a_pass_runs_in_seq_id_order(tiny_ggu
     calls = llama_cpp_engine._calls(rows, starts, 512, sequences, frozenset())
     assert calls == [[(1, 0), (1, 1)], [(2, 0), (1, 2), (0, 0), (0, 1)]]  # b's head first, then e, b, d
     assert llama_cpp_engine._calls(rows, starts, 3, sequences, frozenset())[1:] == [[(2, 0), (1, 2), (0, 0)], [(0, 1)]]
+    # batched (`mixed`): heads and kept positions together, rows in seq-id order, each in its order
+    mixed = llama_cpp_engine._calls(rows, starts, 4, sequences, frozenset(), mixed=True)
+    assert mixed == [[(2, 0), (1, 0), (1, 1), (1, 2)], [(0, 0), (0, 1)]]
 
 
 def test_llama_cpp_probes_a_model_once_per_process_and_shape(tiny_gguf, monkeypatch):
