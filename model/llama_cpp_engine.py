@@ -54,8 +54,10 @@ prompts at 4 / 8 / 16 streams (docs/performance/under-load.md): 42.3 / 48.9 / 58
 per session, 61.5 / 47.5 / 75.3 unified. A new session's prompt runs in that ubatch too (continuous
 batching, as llama-server's), not in prefill calls of its own: at 16 streams (48 tokens each, prompts
 of ~39 tokens that never repeat) 54.9 tok/s, where bitwise, whose prompts take ubatches of their own
-whatever the call, made 43.7; the prefix cache then keeps what such passes computed. In both modes a new session takes the lowest free seq id
-and a pass's kept positions go in seq-id order, so consecutive sessions share a ubatch (split_equal above);
+whatever the call, made 43.7; the prefix cache then keeps what such passes computed.
+
+In both modes a new session takes the lowest free seq id and a pass's kept positions go in seq-id
+order, so consecutive sessions share a ubatch (split_equal above);
 in `bitwise`, a gap of one or two seq ids between a scored call's sessions is filled with a token each,
 removed after the call (`GAP_FILL`), so a pass that carries 10 or 12 of 16 streams is one ubatch too.
 
