@@ -5,11 +5,10 @@ All model work runs on one thread (torch must not block the event loop, and a se
 never see two calls at once). Calls wait in one FIFO queue. When the thread frees up it takes
 the oldest call and, if that call batches, every later waiting call of the same kind that
 fits the bounds (calls, new tokens, one call per session), so a pass serves everyone who
-was waiting at that moment (on an engine that pads, a call of many new tokens, such as a prefill,
-runs alone: a padded pass pays every row's length as the longest's; an unpadded one takes it along,
-up to the pass's token bound); before it starts, it gives the sessions the last pass served a
-moment to come back, so streams that alternate fall into step and share passes. The
-oldest call always runs next, so nothing starves: a call waits at most for the passes of the
+was waiting at that moment (a call of many new tokens, such as a prefill, runs alone, except where the
+engine runs it in one ubatch with the rows beside it: `_shared_call_tokens`); before it starts, it
+gives the sessions the last pass served a moment to come back, so streams that alternate fall into
+step and share passes. The oldest call always runs next, so nothing starves: a call waits at most for the passes of the
 calls that were queued before it.
 
 Except one kind of call: a call that opens a request (a cursor from token 0: the prompt's prefill,
@@ -80,9 +79,9 @@ class Bounds:
     max_batch_tokens: int = 256  # new tokens in one pass (the oldest call runs even if larger)
     batch_wait_s: float = 0.01  # how long a pass may wait for the sessions the last one served, at least
     return_wait_share: float = 0.25  # ... and up to this share of the last batched pass's seconds
-    # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own where the
-    # engine pads (a padded pass computes every row as long as its longest: model/batch.py); an
-    # unpadded engine's pass takes it along up to max_batch_tokens (llama.cpp batched: one ubatch).
+    # A call with more new tokens (a prefill, a long catch-up) runs in a pass of its own (a padded pass
+    # computes every row as long as its longest: model/batch.py), except on an engine that runs it in
+    # one ubatch with the rows beside it (Scheduler._shared_call_tokens).
     max_shared_call_tokens: int = 32
     opening_first_s: float = 0.5  # a call that opens a request runs first unless the oldest has waited this long
 
@@ -99,6 +98,7 @@ class Scheduler:
         self.last_pass_seconds = 0.0  # what the last batched pass cost: a share of it is worth waiting
         self.padded = True  # the engine's passes compute every call as long as its longest (ModelDescription)
         self.scored_per_call: int | None = None  # the engine's calls score at most this many positions (ditto)
+        self.splits_rows = False  # the engine runs rows of other lengths in ubatches apart (ditto)
         # what a call that opens a request computes, asked as it is taken (serving/thread.py: its
         # tokens less the prefix the cache would restore); None: its new tokens as submitted
         self.costing: Callable[[Job], int] | None = None
@@ -168,7 +168,7 @@ class Scheduler:
         only with each other, that many at most: their first tokens come a few calls apart, not all
         after everyone's."""
         first = self._first()
-        shared = self.bounds.max_shared_call_tokens if self.padded else self.bounds.max_batch_tokens
+        shared = self._shared_call_tokens()
         if first.kind is None or self._cost(first) > shared:
             return [first]
         most = self.bounds.max_batch_size
@@ -188,6 +188,18 @@ class Scheduler:
                 tokens += job.cost
                 sessions.add(job.session_id)
         return batch
+
+    def _shared_call_tokens(self) -> int:
+        """The most new tokens a call may bring to a shared pass: up to the pass's bound on an engine
+        that runs a prompt in one ubatch with the decode steps beside it (unpadded, rows not split:
+        llama.cpp batched, as continuous batching does); else max_shared_call_tokens. A padded pass
+        computes every row as long as its longest; llama.cpp bitwise runs a prompt in ubatches of its
+        own, so there a shared pass only delays the steps beside it (measured on Zen 5, issue 50's
+        benchmark at 16 streams of unique prompts: first tokens 5.3 s at p50 against 2.6 s, 41 tok/s
+        against 48; docs/performance/under-load.md)."""
+        if self.padded or self.splits_rows:
+            return self.bounds.max_shared_call_tokens
+        return self.bounds.max_batch_tokens
 
     def _cost(self, job: Job) -> int:
         """The job's new tokens; for a call that opens a request, what it computes, asked now

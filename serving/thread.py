@@ -34,6 +34,7 @@ class ModelThread:
         self.scheduler.bounds = Bounds(limits.max_batch_size, limits.max_batch_tokens, limits.batch_wait_ms / 1000)
         self.scheduler.padded = self.service.engine.description.padded
         self.scheduler.scored_per_call = self.service.engine.description.scored_per_call
+        self.scheduler.splits_rows = self.service.engine.description.splits_rows
         self.scheduler.costing = self._opening_cost
         return self.service
 

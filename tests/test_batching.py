@@ -196,9 +196,10 @@ def test_a_long_call_runs_in_a_pass_of_its_own():
 
 
 def test_on_an_unpadded_engine_a_long_call_shares_the_pass_up_to_its_token_bound():
-    """Issue 50: an unpadded pass computes each call's own tokens (llama.cpp batched: one ubatch for a
-    prompt and the decode steps beside it, as continuous batching runs them), so a prefill-sized call
-    shares the pass up to max_batch_tokens; a call past the bound still runs alone."""
+    """Issue 50: an unpadded pass that runs rows of any length in one ubatch (llama.cpp batched: a
+    prompt and the decode steps beside it, as continuous batching runs them) takes a prefill-sized call
+    along up to max_batch_tokens; a call past the bound still runs alone. Where rows of other lengths
+    run apart (llama.cpp bitwise) a long call runs alone, as on a padded engine."""
     passes, gate = [], threading.Event()
     scheduler = Scheduler(Bounds(max_batch_size=8, max_batch_tokens=150, max_shared_call_tokens=32))
     scheduler.padded = False
@@ -210,6 +211,18 @@ def test_on_an_unpadded_engine_a_long_call_shares_the_pass_up_to_its_token_bound
     gate.set()
     assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50, 60] and blocker.result(5) == 0
     assert passes == [[0], [1, 2, 3, 5], [4], [6]]  # 140 tokens; 200 alone; 6 did not fit beside the 140
+    scheduler.close()
+    # llama.cpp bitwise (a KV stream per session: a prompt runs in ubatches of its own): no gain, alone
+    passes, gate = [], threading.Event()
+    scheduler = Scheduler(Bounds(max_batch_size=8, max_batch_tokens=150, max_shared_call_tokens=32))
+    scheduler.padded, scheduler.splits_rows = False, True
+    blocker = scheduler.submit(Job(run_recording(passes, gate), payload=0))
+    time.sleep(0.05)
+    verify = run_recording(passes)
+    futures = [scheduler.submit(Job(verify, i, kind="verify", cost=c, session_id=f"s{i}")) for i, c in costs.items()]
+    gate.set()
+    assert [f.result(5) for f in futures] == [10, 20, 30, 40, 50, 60] and blocker.result(5) == 0
+    assert passes == [[0], [1, 3, 6], [2], [4], [5]]
     scheduler.close()
 
 
