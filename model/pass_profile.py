@@ -93,9 +93,12 @@ def pass_profile(engine: Engine, settings: dict | None = None) -> PassProfile | 
     except Exception as error:  # never fails a load: the orchestrator then learns the costs from the calls
         log.warning("%s: could not measure its passes (%s); none reported", name, error)
         return None
+    if disturbed(profile):
+        log.warning("%s: its passes measured out of order twice: used for this load, not kept", name)
+        return profile
     log.info(
         "%s: measured its passes in %.1f s (1 / %d positions: %.1f / %.1f ms, prefill %.2f ms a token), kept in %s",
-        engine.description.name,
+        name,
         time.perf_counter() - started,
         profile.positions[-1],
         profile.seconds[0] * 1000,
@@ -103,9 +106,6 @@ def pass_profile(engine: Engine, settings: dict | None = None) -> PassProfile | 
         profile.prefill_per_token * 1000,
         path,
     )
-    if disturbed(profile):
-        log.warning("%s: its passes measured out of order twice: used for this load, not kept", name)
-        return profile
     _write(path, {"format": FORMAT, "key": key, **asdict(profile), "measured": time.time()})
     return profile
 
